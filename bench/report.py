@@ -1,0 +1,47 @@
+"""Shared output for benchmarks: a JSON file plus a bar plot beside it."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    import os
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": commit,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
+
+
+def write_report(path: Path, data: dict[str, Any], bars: dict[str, float], ylabel: str, title: str) -> None:
+    """Write ``data`` (plus machine info) to ``path`` and a PNG bar plot of ``bars``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {**data, "machine": machine_info()}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(list(bars), list(bars.values()), color=["#4c72b0", "#dd8452", "#55a868", "#c44e52"][: len(bars)])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    for i, v in enumerate(bars.values()):
+        ax.annotate("%.3g" % v, (i, v), ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=100)
+    plt.close(fig)

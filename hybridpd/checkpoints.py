@@ -1,0 +1,162 @@
+"""The checkpoint protocol: the single source of where recurrent state is
+exported, promised, looked up and restored (mirrors vLLM PR #53614).
+
+Names: ``u`` = prefix_match_unit (hash block size), ``B`` = mamba block size,
+``a`` = checkpoint alignment (the prefill kernel exports state only at offsets
+that are multiples of ``a`` from the query start), ``N`` = tokens the main
+model computes for the request.
+
+One set of functions serves the scheduler, the kernel-metadata builder, the
+router and the index publisher, so a checkpoint is promised only where it is
+written.
+
+State slot columns (vLLM "align" mode)::
+
+    tokens   0        B        2B       3B       4B
+             |--------|--------|--------|--------|
+    column       0        1        2        3
+    natural  state@B  state@2B state@3B state@4B
+
+A prefill whose query ends at ``end`` writes its partial-prefix checkpoint
+into column ``ceil(end / B) - 2``, whose natural key is ``state@(col+1)*B``.
+When the checkpoint position differs from that natural boundary (partial
+checkpoints, or EAGLE's dropped block with u = B) the slot must be re-keyed to
+the chain hash at the checkpoint position (:func:`needs_rekey`), or a later
+restore returns state@pos labelled as state@natural: silent corruption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+
+def _ceil_div(x: int, y: int) -> int:
+    return -(-x // y)
+
+
+def checkpoint_position(num_tokens: int, unit: int, drop_eagle_block: bool) -> int:
+    """Where a request of ``num_tokens`` exports its partial-prefix state.
+
+    The last full unit boundary strictly before the final token; with EAGLE
+    one unit lower, the boundary a later hit replays from (the attention
+    group drops its last matched block under EAGLE).
+
+    >>> checkpoint_position(100, 8, False), checkpoint_position(100, 8, True)
+    (96, 88)
+    """
+    if unit <= 0:
+        raise ValueError("unit must be positive, got %d" % unit)
+    if num_tokens < 0:
+        raise ValueError("num_tokens must be >= 0, got %d" % num_tokens)
+    return max((num_tokens - 1) // unit * unit - (unit if drop_eagle_block else 0), 0)
+
+
+def checkpoint_slot_column(query_end: int, mamba_block_size: int) -> int:
+    """The state slot column a prefill ending at ``query_end`` writes into."""
+    return _ceil_div(query_end, mamba_block_size) - 2
+
+
+def natural_position(column: int, mamba_block_size: int) -> int:
+    """The state boundary a slot column holds when nothing re-keys it."""
+    return (column + 1) * mamba_block_size
+
+
+def is_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    position: int,
+    unit: int,
+    mamba_block_size: int,
+    alignment: int | None,
+) -> bool:
+    """Whether the kernel can write state@``position`` for this query.
+
+    ``query_start``/``query_end`` bound the tokens computed in this step.
+    Valid iff all hold:
+
+    - an alignment is known (``None`` means the kernel cannot export);
+    - the query starts on a unit boundary;
+    - the slot column ``ceil(end/B) - 2`` lies past the column holding the
+      initial state ``(start - 1) // B`` (it must not overwrite it);
+    - at least one unit is computed before the checkpoint;
+    - the position lies strictly inside the query;
+    - the offset from the query start is a multiple of the alignment.
+    """
+    if alignment is None:
+        return False
+    return (
+        query_start % unit == 0
+        and checkpoint_slot_column(query_end, mamba_block_size) > (query_start - 1) // mamba_block_size
+        and query_start + unit <= position
+        and query_start < position < query_end
+        and (position - query_start) % alignment == 0
+    )
+
+
+def planned_checkpoint(
+    query_start: int,
+    query_end: int,
+    num_tokens: int,
+    unit: int,
+    mamba_block_size: int,
+    alignment: int | None,
+    drop_eagle_block: bool,
+) -> int | None:
+    """The checkpoint a step computing ``[query_start, query_end)`` exports, or None.
+
+    The position is :func:`checkpoint_position` of the whole request; a step
+    exports it only when it lies in this step and is valid.
+    """
+    pos = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    if is_checkpoint_valid(query_start, query_end, pos, unit, mamba_block_size, alignment):
+        return pos
+    return None
+
+
+def needs_rekey(position: int, query_end: int, mamba_block_size: int) -> bool:
+    """True when the written slot's natural key is not state@``position``."""
+    return natural_position(checkpoint_slot_column(query_end, mamba_block_size), mamba_block_size) != position
+
+
+def leading_blocks(attention_blocks: Sequence[bool]) -> int:
+    """Number of consecutive present blocks from block 0."""
+    n = 0
+    for present in attention_blocks:
+        if not present:
+            break
+        n += 1
+    return n
+
+
+def longest_usable_hit(
+    num_tokens: int,
+    unit: int,
+    attention_blocks: Sequence[bool] | int,
+    state_positions: Collection[int],
+    drop_eagle_block: bool,
+) -> int:
+    """Longest prefix (in tokens) restorable for a request of ``num_tokens``.
+
+    ``attention_blocks[i]`` says whether KV for block ``i`` (tokens
+    ``[i*u, (i+1)*u)``) exists; an int means that many leading blocks exist.
+    ``state_positions`` are token positions with a recurrent-state checkpoint.
+
+    Hit rule (vLLM hybrid coordinator): the attention group finds its longest
+    run of blocks, capped at ``num_tokens - 1`` (at least one token is
+    computed) and, with EAGLE, drops its last matched block once; the state
+    group then finds its longest checkpoint at or below that; the attention
+    group truncates to agree. The result is 0 or a positive multiple of
+    ``unit`` at which a state checkpoint exists.
+    """
+    if num_tokens <= 0:
+        return 0
+    leading = attention_blocks if isinstance(attention_blocks, int) else leading_blocks(attention_blocks)
+    blocks = min(leading, (num_tokens - 1) // unit)
+    if drop_eagle_block and blocks > 0:
+        blocks -= 1
+    cap = blocks * unit
+    best = 0
+    for pos in state_positions:
+        if 0 < pos <= cap and pos % unit == 0 and pos > best:
+            best = pos
+    return best

@@ -1,0 +1,186 @@
+"""The one typed configuration of hybridpd, built once and validated here.
+
+Precedence (later wins): defaults < YAML file < ``HYBRIDPD_<FIELD>`` env vars
+< CLI flags (``--<field-name>``). Every source goes through
+:func:`load_config`; any bad value raises :class:`~hybridpd.errors.ConfigError`
+naming the field and the allowed range. The YAML format is flat: the keys are
+the field names below (``hybridpd config show`` prints a valid file).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hybridpd.errors import ConfigError
+from hybridpd.hashing import HashAlgo, default_seed
+
+ENV_PREFIX = "HYBRIDPD_"
+_NONE_WORDS = frozenset({"", "none", "null"})
+Port = Field(ge=1, le=65535)
+
+
+class HybridPDConfig(BaseModel):
+    """Effective configuration. Frozen: build a new one to change it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+    # -- model and engine
+    engine: Literal["native", "vllm"] = Field("native", description="Engine behind every actor.")
+    model: str = Field("tiny", description="Model: 'tiny' (bundled native model), a directory, or an HF id (vllm).")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Device the engine runs on.")
+    max_model_len: int = Field(16384, ge=16, le=1 << 20, description="Longest prompt + completion, tokens.")
+
+    # -- cache and the checkpoint protocol
+    enable_prefix_caching: bool = Field(True, description="Reuse cached prefixes (local and global).")
+    prefix_match_unit: int = Field(16, ge=1, le=65536, description="Hash block size u, tokens.")
+    mamba_block_size: int = Field(
+        64, ge=1, le=1 << 20, description="Mamba/state block size B, tokens; a multiple of u."
+    )
+    checkpoint_alignment: int | None = Field(
+        16, ge=1, le=65536, description="Alignment a of state export offsets; null = the kernel cannot export."
+    )
+    hash_algo: HashAlgo = Field(HashAlgo.SHA256_CBOR, description="Block hash: sha256_cbor or xxhash_cbor.")
+    hash_seed: str = Field(
+        default_factory=default_seed, description="Seed of NONE_HASH (default PYTHONHASHSEED, else 'vllm-none-hash')."
+    )
+    num_kv_blocks: int = Field(4096, ge=16, le=1 << 24, description="Attention KV blocks per engine.")
+    max_num_batched_tokens: int = Field(512, ge=16, le=1 << 20, description="Prefill token budget per step.")
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Running requests per engine.")
+
+    # -- EAGLE speculative decoding
+    eagle: bool = Field(False, description="EAGLE speculative decoding on decode.")
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens k per step.")
+
+    # -- serving
+    host: str = Field("127.0.0.1", description="Bind address of the router.")
+    http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
+    grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC port.")
+    dashboard_port: int = Field(8265, ge=1, le=65535, description="Ray dashboard port (local stack).")
+
+    # -- external services (unset: the local stack starts its own)
+    redis_url: str | None = Field(None, description="Redis URL of the prefix index, e.g. redis://:pw@host:port/0.")
+    mooncake_master: str | None = Field(None, description="Mooncake master host:port.")
+    ray_address: str | None = Field(None, description="Ray cluster address; unset starts a local head.")
+
+    # -- topology
+    num_prefill: int = Field(2, ge=1, le=256, description="Prefill actors.")
+    num_decode: int = Field(1, ge=1, le=256, description="Decode actors.")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> HybridPDConfig:
+        if self.mamba_block_size % self.prefix_match_unit != 0:
+            raise ConfigError(
+                "mamba_block_size",
+                "must be a multiple of prefix_match_unit (%d), got %d"
+                % (self.prefix_match_unit, self.mamba_block_size),
+            )
+        if self.http_port == self.grpc_port:
+            raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
+        if self.mooncake_master is not None and not _is_host_port(self.mooncake_master):
+            raise ConfigError("mooncake_master", "must be host:port, got %r" % self.mooncake_master)
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("redis_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_url)
+        return self
+
+    def to_yaml(self) -> str:
+        """The effective config as a YAML file :func:`load_config` accepts."""
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _is_host_port(value: str) -> bool:
+    host, sep, port = value.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def allowed(field: str) -> str:
+    """Human text for the values ``field`` accepts (used in errors and --help)."""
+    info = HybridPDConfig.model_fields[field]
+    ann = info.annotation
+    choices = get_args(ann) if getattr(ann, "__origin__", None) is Literal else ()
+    if choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    if ann is HashAlgo:
+        return "one of " + ", ".join(repr(a.value) for a in HashAlgo)
+    lo = hi = None
+    for meta in info.metadata:
+        lo = getattr(meta, "ge", lo)
+        hi = getattr(meta, "le", hi)
+    if lo is not None or hi is not None:
+        return "an integer in [%s, %s]%s" % (lo, hi, " or null" if "None" in str(ann) else "")
+    if ann is bool:
+        return "true or false"
+    return "a string" + (" or null" if "None" in str(ann) else "")
+
+
+def _raise_config_error(err: ValidationError) -> None:
+    first = err.errors()[0]
+    loc = first.get("loc") or ("<config>",)
+    field = str(loc[0])
+    if first.get("type") == "extra_forbidden":
+        raise ConfigError(field, "unknown field; known fields: %s" % ", ".join(HybridPDConfig.model_fields)) from None
+    ctx_err = (first.get("ctx") or {}).get("error")
+    if isinstance(ctx_err, ConfigError):
+        raise ctx_err from None
+    raise ConfigError(
+        field, "%s (got %r); allowed: %s" % (first.get("msg"), first.get("input"), allowed(field))
+    ) from None
+
+
+def _normalize(field: str, value: Any) -> Any:
+    """Map textual nulls to None for nullable fields (env vars, CLI)."""
+    if isinstance(value, str) and value.strip().lower() in _NONE_WORDS:
+        ann = str(HybridPDConfig.model_fields[field].annotation)
+        if "None" in ann:
+            return None
+    return value
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """``HYBRIDPD_<FIELD>`` variables that name a config field."""
+    out: dict[str, Any] = {}
+    for name in HybridPDConfig.model_fields:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            out[name] = env[key]
+    return out
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> HybridPDConfig:
+    """Build and validate the effective config from its sources.
+
+    ``env`` defaults to ``os.environ``; ``overrides`` are CLI flag values
+    (``None`` values are ignored). Raises ``ConfigError``.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except OSError as exc:
+            raise ConfigError("config", "cannot read %s: %s" % (p, exc)) from None
+        except yaml.YAMLError as exc:
+            raise ConfigError("config", "%s is not valid YAML: %s" % (p, exc)) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError("config", "%s must hold a mapping of field: value" % p)
+        data.update(loaded)
+    data.update(env_overrides(os.environ if env is None else env))
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    data = {k: (_normalize(k, v) if k in HybridPDConfig.model_fields else v) for k, v in data.items()}
+    try:
+        return HybridPDConfig(**data)
+    except ValidationError as err:
+        _raise_config_error(err)
+        raise  # unreachable: _raise_config_error always raises

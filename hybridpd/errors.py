@@ -1,0 +1,87 @@
+"""Typed errors, and the one place that maps them to HTTP and gRPC status.
+
+Expected "no space" conditions return ``None``; misuse and failures raise a
+subclass of :class:`HybridPDError`. Servers never pick status codes
+themselves: they call :func:`http_status` / :func:`grpc_code`.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+
+import grpc
+
+
+class HybridPDError(Exception):
+    """Base of every error hybridpd raises on purpose."""
+
+
+class ConfigError(HybridPDError, ValueError):
+    """A configuration value is missing, malformed or out of range.
+
+    ``field`` names the offending setting; the message states the allowed
+    range or values.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__("config field %r: %s" % (field, message))
+        self.field = field
+
+
+class InvalidRequestError(HybridPDError, ValueError):
+    """The client sent something we will not serve (bad prompt, limits)."""
+
+
+class OverloadedError(HybridPDError):
+    """Queues are full; the client should retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotFoundError(HybridPDError, KeyError):
+    """A named object (model, request id) does not exist."""
+
+
+class UnavailableError(HybridPDError):
+    """A dependency (Redis, store, actor) cannot be reached right now."""
+
+
+class IntegrityError(HybridPDError):
+    """Bytes failed verification (checksum or header mismatch); never use them."""
+
+
+_HTTP: list[tuple[type[BaseException], HTTPStatus]] = [
+    (ConfigError, HTTPStatus.INTERNAL_SERVER_ERROR),
+    (InvalidRequestError, HTTPStatus.BAD_REQUEST),
+    (OverloadedError, HTTPStatus.TOO_MANY_REQUESTS),
+    (NotFoundError, HTTPStatus.NOT_FOUND),
+    (UnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
+    (IntegrityError, HTTPStatus.INTERNAL_SERVER_ERROR),
+]
+
+_GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (ConfigError, grpc.StatusCode.INTERNAL),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (UnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (IntegrityError, grpc.StatusCode.DATA_LOSS),
+]
+
+
+def http_status(exc: BaseException) -> HTTPStatus:
+    """HTTP status for ``exc``; unknown exceptions are 500."""
+    for cls, status in _HTTP:
+        if isinstance(exc, cls):
+            return status
+    return HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def grpc_code(exc: BaseException) -> grpc.StatusCode:
+    """gRPC status code for ``exc``; unknown exceptions are INTERNAL."""
+    for cls, code in _GRPC:
+        if isinstance(exc, cls):
+            return code
+    return grpc.StatusCode.INTERNAL

@@ -1,0 +1,1 @@
+"""hybridpd services: router, prefill and decode actors."""

@@ -1,0 +1,82 @@
+"""Config: sources, precedence, and typed errors naming the field and range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from hybridpd.config import HybridPDConfig, load_config
+from hybridpd.errors import ConfigError
+
+
+def test_defaults_validate() -> None:
+    cfg = load_config(env={})
+    assert cfg.prefix_match_unit == 16 and cfg.mamba_block_size == 64 and cfg.checkpoint_alignment == 16
+    assert cfg.http_port == 8000 and cfg.grpc_port == 50051
+    assert cfg.num_prefill == 2 and cfg.num_decode == 1
+
+
+def test_precedence_yaml_env_flags(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("prefix_match_unit: 8\nmamba_block_size: 32\nnum_prefill: 3\n")
+    cfg = load_config(f, env={"HYBRIDPD_NUM_PREFILL": "4", "HYBRIDPD_EAGLE": "true"}, overrides={"num_prefill": "5"})
+    assert (cfg.prefix_match_unit, cfg.mamba_block_size, cfg.num_prefill, cfg.eagle) == (8, 32, 5, True)
+    cfg = load_config(f, env={"HYBRIDPD_NUM_PREFILL": "4"})
+    assert cfg.num_prefill == 4
+
+
+def test_roundtrip_yaml(tmp_path: Path) -> None:
+    cfg = load_config(env={}, overrides={"eagle": True, "checkpoint_alignment": "none", "redis_url": "redis://h:1/0"})
+    assert cfg.checkpoint_alignment is None
+    f = tmp_path / "c.yaml"
+    f.write_text(cfg.to_yaml())
+    assert load_config(f, env={}) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "fragment"),
+    [
+        ({"prefix_match_unit": 0}, "prefix_match_unit", "[1, 65536]"),
+        ({"num_prefill": 1000}, "num_prefill", "[1, 256]"),
+        ({"http_port": "http"}, "http_port", "[1, 65535]"),
+        ({"dtype": "fp8"}, "dtype", "'float32', 'bfloat16'"),
+        ({"hash_algo": "md5"}, "hash_algo", "sha256_cbor"),
+        ({"mamba_block_size": 40}, "mamba_block_size", "multiple of prefix_match_unit"),
+        ({"grpc_port": 8000}, "grpc_port", "differ"),
+        ({"mooncake_master": "nohost"}, "mooncake_master", "host:port"),
+        ({"redis_url": "http://x"}, "redis_url", "redis://"),
+        ({"checkpoint_alignment": -4}, "checkpoint_alignment", "or null"),
+    ],
+)
+def test_bad_values_name_field_and_range(overrides: dict[str, object], field: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={}, overrides=overrides)
+    assert info.value.field == field
+    assert field in str(info.value) and fragment in str(info.value)
+
+
+def test_unknown_yaml_key_and_bad_file(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text("prefix_match_units: 8\n")
+    with pytest.raises(ConfigError, match="unknown field"):
+        load_config(f, env={})
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(f, env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml", env={})
+
+
+def test_env_bad_value() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(env={"HYBRIDPD_NUM_DECODE": "zero"})
+    assert info.value.field == "num_decode"
+
+
+def test_frozen() -> None:
+    cfg = load_config(env={})
+    with pytest.raises(ValidationError):
+        cfg.http_port = 1  # type: ignore[misc]
+    assert isinstance(cfg, HybridPDConfig)

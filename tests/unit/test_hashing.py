@@ -1,0 +1,124 @@
+"""The block-hash chain: byte equality with the cbor2 reference, salts, seeds."""
+
+from __future__ import annotations
+
+import hashlib
+
+import cbor2
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybridpd import hashing
+from hybridpd.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo, default_seed
+
+
+def reference_chain(
+    tokens: list[int], unit: int, algo: HashAlgo, seed: str, salt: str | None = None, adapter: str | None = None
+) -> list[bytes]:
+    """vLLM's definition, written out with cbor2 + hashlib/xxhash directly."""
+    h = hashlib.sha256 if algo is HashAlgo.SHA256_CBOR else None
+
+    def digest(obj: object) -> bytes:
+        data = cbor2.dumps(obj, canonical=True)
+        return h(data).digest() if h else xxhash.xxh3_128_digest(data)
+
+    parent = digest(seed)
+    out = []
+    for i in range(len(tokens) // unit):
+        keys = ([adapter] if adapter else []) + ([salt] if (i == 0 and salt) else [])
+        parent = digest((parent, tuple(tokens[i * unit : (i + 1) * unit]), tuple(keys) if keys else None))
+        out.append(parent)
+    return out
+
+
+def test_none_hash_is_hash_of_seed() -> None:
+    hasher = BlockHasher(unit=16, seed="1234")
+    assert hasher.none_hash == hashlib.sha256(cbor2.dumps("1234", canonical=True)).digest()
+    x = BlockHasher(unit=16, algo=HashAlgo.XXHASH_CBOR, seed="1234")
+    assert x.none_hash == xxhash.xxh3_128_digest(cbor2.dumps("1234", canonical=True))
+    assert len(x.none_hash) == 16
+
+
+def test_default_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert default_seed() == DEFAULT_HASH_SEED
+    monkeypatch.setenv("PYTHONHASHSEED", "42")
+    assert default_seed() == "42"
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(
+        st.one_of(st.integers(0, 30), st.integers(0, 300), st.integers(0, 70_000), st.integers(0, 2**32 - 1)),
+        max_size=200,
+    ),
+    unit=st.sampled_from([1, 3, 8, 16, 24, 32]),
+    algo=st.sampled_from(list(HashAlgo)),
+    salt=st.one_of(st.none(), st.text(max_size=8)),
+    adapter=st.one_of(st.none(), st.sampled_from(["lora-a", "x" * 30])),
+)
+def test_fast_chain_equals_cbor2_reference(
+    tokens: list[int], unit: int, algo: HashAlgo, salt: str | None, adapter: str | None
+) -> None:
+    hasher = BlockHasher(unit=unit, algo=algo, seed="s")
+    want = reference_chain(tokens, unit, algo, "s", salt, adapter)
+    assert hasher.chain(tokens, cache_salt=salt, adapter=adapter) == want
+    assert hasher.chain(np.asarray(tokens, dtype=np.int64), cache_salt=salt, adapter=adapter) == want
+    # the numpy fallback encoder gives the same bytes as the C one
+    saved = hashing._c_encoder
+    hashing._c_encoder = None
+    try:
+        assert hasher.chain(tokens, cache_salt=salt, adapter=adapter) == want
+    finally:
+        hashing._c_encoder = saved
+
+
+def test_c_encoder_is_built() -> None:
+    # make test builds it (pip install -e .); numpy is only the fallback
+    assert hashing._c_encoder is not None
+
+
+def test_only_full_blocks_hashed() -> None:
+    hasher = BlockHasher(unit=16)
+    assert hasher.chain(list(range(15))) == []
+    assert len(hasher.chain(list(range(16)))) == 1
+    assert len(hasher.chain(list(range(47)))) == 2
+
+
+def test_prefix_property_and_incremental() -> None:
+    hasher = BlockHasher(unit=8, seed="x")
+    toks = list(range(1000, 1100))
+    full = hasher.chain(toks, cache_salt="t")
+    assert hasher.chain(toks[:40], cache_salt="t") == full[:5]
+    rest = hasher.chain(toks[40:], cache_salt="t", parent=full[4], first_block_index=5)
+    assert full[:5] + rest == full
+
+
+def test_salt_and_seed_separate_chains() -> None:
+    toks = list(range(64))
+    a = BlockHasher(unit=16, seed="x")
+    assert a.chain(toks, cache_salt="tenant-a")[0] != a.chain(toks, cache_salt="tenant-b")[0]
+    assert a.chain(toks)[0] != a.chain(toks, cache_salt="tenant-a")[0]
+    assert a.chain(toks)[0] != BlockHasher(unit=16, seed="y").chain(toks)[0]
+    # a different token anywhere changes that block and every later one
+    toks2 = list(toks)
+    toks2[20] += 1
+    c1, c2 = a.chain(toks), a.chain(toks2)
+    assert c1[0] == c2[0] and all(x != y for x, y in zip(c1[1:], c2[1:], strict=True))
+
+
+def test_large_and_numpy_inputs() -> None:
+    hasher = BlockHasher(unit=4, seed="z")
+    toks = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]
+    assert hasher.chain(np.array(toks, dtype=np.uint32)) == reference_chain(toks, 4, HashAlgo.SHA256_CBOR, "z")
+    big = [2**40, 1, 2, 3, 9]
+    assert hasher.chain(big) == reference_chain(big, 4, HashAlgo.SHA256_CBOR, "z")
+    assert hasher.chain(np.array(big)) == reference_chain(big, 4, HashAlgo.SHA256_CBOR, "z")
+
+
+def test_invalid_unit() -> None:
+    with pytest.raises(ValueError):
+        BlockHasher(unit=0)
