@@ -1,0 +1,1 @@
+"""Engines: one protocol (``base.py``), a native PyTorch engine and vLLM."""

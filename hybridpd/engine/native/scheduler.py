@@ -1,0 +1,184 @@
+"""Continuous-batching scheduler for the native engine (tensor-free).
+
+Each ``schedule()`` call builds one step under a token budget:
+
+1. every decoding sequence gets its pending token (plus k EAGLE drafts);
+2. prefilling sequences continue, in admission order;
+3. waiting sequences are admitted (FCFS) while blocks and seats remain.
+
+A prefill chunk starts and ends on multiples of the kernel chunk (16), except
+at the prompt's end: budgets are rounded down, so every budget yields the same
+chunks. Admission finds the hybrid hit (``checkpoints.longest_usable_hit``:
+leading cached KV blocks AND a state checkpoint at exactly the boundary),
+shares the hit blocks, reserves blocks for the whole request (prompt +
+max_tokens + drafts, so a running request never needs preemption), and plans
+the one checkpoint this prefill exports (``checkpoints.planned_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridpd.checkpoints import longest_usable_hit, planned_checkpoint
+from hybridpd.engine.base import EngineRequest
+from hybridpd.engine.native.block_pool import BlockPool
+from hybridpd.engine.native.model_config import KERNEL_CHUNK
+from hybridpd.hashing import BlockHash
+
+logger = logging.getLogger(__name__)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = enum.auto()
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Bookkeeping of one request (no tensors)."""
+
+    request: EngineRequest
+    token_ids: list[int]
+    num_prompt: int
+    block_hashes: list[BlockHash]
+    prefill_only: bool = False
+    status: SeqStatus = SeqStatus.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0
+    checkpoint_pos: int | None = None
+    restore_slot: int | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.num_prompt
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledWork:
+    seq: Sequence
+    num_tokens: int
+    decode: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    unit: int
+    mamba_block_size: int
+    alignment: int | None
+    eagle: bool
+    num_spec: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_caching: bool
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv_pool: BlockPool, state_pool: BlockPool) -> None:
+        self.cfg = cfg
+        self.kv_pool = kv_pool
+        self.state_pool = state_pool
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def blocks_needed(self, seq: Sequence) -> int:
+        extra = (
+            0 if seq.prefill_only else seq.request.sampling.max_tokens + (self.cfg.num_spec if self.cfg.eagle else 0)
+        )
+        return -(-(seq.num_prompt + extra) // self.cfg.unit)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[ScheduledWork]:
+        budget = self.cfg.max_num_batched_tokens
+        out: list[ScheduledWork] = []
+        for seq in self.running:
+            if seq.status is SeqStatus.DECODE:
+                n = 1 + (self.cfg.num_spec if self.cfg.eagle else 0)
+                out.append(ScheduledWork(seq, n, True))
+                budget -= n
+        for seq in self.running:
+            if seq.status is SeqStatus.PREFILL:
+                n = self._chunk(seq, budget)
+                if n:
+                    out.append(ScheduledWork(seq, n, False))
+                    budget -= n
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if self._chunk_len(seq.num_prompt - 0, budget) == 0 or not self._admit(seq):
+                break
+            self.waiting.popleft()
+            self.running.append(seq)
+            seq.status = SeqStatus.PREFILL
+            n = self._chunk(seq, budget)
+            if n:
+                out.append(ScheduledWork(seq, n, False))
+                budget -= n
+        return out
+
+    @staticmethod
+    def _chunk_len(remaining: int, budget: int) -> int:
+        if remaining <= budget:
+            return max(remaining, 0)
+        return max(budget, 0) // KERNEL_CHUNK * KERNEL_CHUNK
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        return self._chunk_len(seq.num_prompt - seq.num_computed, budget)
+
+    def hit_length(self, seq: Sequence) -> int:
+        """The hybrid hit for ``seq`` against the local caches."""
+        if not self.cfg.enable_caching:
+            return 0
+        lead = 0
+        while lead < len(seq.block_hashes) and self.kv_pool.lookup(seq.block_hashes[lead]) is not None:
+            lead += 1
+        states = {
+            (i + 1) * self.cfg.unit for i in range(lead) if self.state_pool.lookup(seq.block_hashes[i]) is not None
+        }
+        return longest_usable_hit(seq.num_prompt, self.cfg.unit, lead, states, self.cfg.eagle)
+
+    def _admit(self, seq: Sequence) -> bool:
+        cfg = self.cfg
+        hit = self.hit_length(seq)
+        hit_ids = [self.kv_pool.cached[h] for h in seq.block_hashes[: hit // cfg.unit]]
+        self.kv_pool.touch(hit_ids)  # before allocate, so the hit cannot be evicted
+        fresh = self.kv_pool.allocate(self.blocks_needed(seq) - len(hit_ids))
+        if fresh is None:
+            self.kv_pool.free(reversed(hit_ids))
+            return False
+        seq.block_ids = hit_ids + fresh
+        seq.num_computed = seq.num_cached = hit
+        seq.restore_slot = self.state_pool.cached[seq.block_hashes[hit // cfg.unit - 1]] if hit else None
+        if cfg.enable_caching:
+            seq.checkpoint_pos = planned_checkpoint(
+                hit, seq.num_prompt, seq.num_prompt, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle
+            )
+        logger.debug("admit %s: prompt %d, hit %d, checkpoint %s", seq.rid, seq.num_prompt, hit, seq.checkpoint_pos)
+        return True
+
+    def finish(self, seq: Sequence) -> None:
+        """Release everything ``seq`` holds (any state, abort included)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq.block_ids:
+            self.kv_pool.free(reversed(seq.block_ids))
+            seq.block_ids = []
+        seq.status = SeqStatus.FINISHED
+
+    def find(self, rid: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.rid == rid:
+                return seq
+        return None
