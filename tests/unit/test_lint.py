@@ -15,3 +15,9 @@ def test_ruff_clean() -> None:
         [str(ruff), "check", "hybridpd", "services", "tests", "bench"], cwd=ROOT, capture_output=True, text=True
     )
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_mypy_clean() -> None:
+    mypy = Path(sys.executable).parent / "mypy"
+    res = subprocess.run([str(mypy)], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr

@@ -72,13 +72,17 @@ class AttentionLayer:
         probs = torch.softmax(scores, dim=-1).to(vh.dtype)
         return (probs @ vh).transpose(0, 1)  # [m, H, hd]
 
-    def prefill(
-        self, x: torch.Tensor, start: int, caches: tuple[torch.Tensor, torch.Tensor], block_table: list[int]
+    def prefill_core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        block_table: list[int],
     ) -> torch.Tensor:
-        """Tokens ``[start, start + n)``; earlier KV must already be cached."""
-        n, end = x.shape[0], start + x.shape[0]
-        positions = torch.arange(start, end, device=x.device)
-        q, k, v = self._qkv(x, positions)
+        """Tokens ``[start, start + n)`` (rotated q/k, v); earlier KV must be cached."""
+        n, end = q.shape[0], start + q.shape[0]
         self.write(caches[0], block_table, start, k)
         self.write(caches[1], block_table, start, v)
         span = _round_up(end, KERNEL_CHUNK)
@@ -91,24 +95,43 @@ class AttentionLayer:
             m = qt.shape[0]
             if m < KERNEL_CHUNK:
                 qt = torch.cat([qt, qt.new_zeros(KERNEL_CHUNK - m, *qt.shape[1:])])
-            q_pos = torch.arange(t0, t1, device=x.device)
+            q_pos = torch.arange(t0, t1, device=q.device)
             outs.append(self._attend(qt, keys[:t1], vals[:t1], q_pos)[:m])
-        return rows_mm(torch.cat(outs).reshape(n, -1), self.w_o)
+        return torch.cat(outs).reshape(n, -1)
 
-    def decode(
-        self, x: torch.Tensor, start: int, caches: tuple[torch.Tensor, torch.Tensor], block_table: list[int]
+    def decode_core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        block_table: list[int],
     ) -> torch.Tensor:
         """Consecutive tokens ``[start, start + n)``, each attended alone."""
-        n, end = x.shape[0], start + x.shape[0]
-        positions = torch.arange(start, end, device=x.device)
-        q, k, v = self._qkv(x, positions)
+        n = q.shape[0]
         self.write(caches[0], block_table, start, k)
         self.write(caches[1], block_table, start, v)
+        length = start + n
+        span = _round_up(length, KERNEL_CHUNK)
+        keys = self.gather(caches[0], block_table, length, span)
+        vals = self.gather(caches[1], block_table, length, span)
         outs = []
         for i in range(n):
-            length = start + i + 1
-            span = _round_up(length, KERNEL_CHUNK)
-            keys = self.gather(caches[0], block_table, length, span)
-            vals = self.gather(caches[1], block_table, length, span)
-            outs.append(self._attend(q[i : i + 1], keys, vals, positions[i : i + 1]))
-        return rows_mm(torch.cat(outs).reshape(n, -1), self.w_o)
+            pos = start + i
+            lim = _round_up(pos + 1, KERNEL_CHUNK)
+            # keys past pos are masked; rows beyond `length` are zero padding
+            kk = keys[:lim]
+            vv = vals[:lim]
+            if pos + 1 < length:  # later verify tokens' keys must not leak into the padding
+                kk = torch.cat([kk[: pos + 1], kk.new_zeros(lim - pos - 1, *kk.shape[1:])])
+                vv = torch.cat([vv[: pos + 1], vv.new_zeros(lim - pos - 1, *vv.shape[1:])])
+            q_pos = torch.tensor([pos], device=q.device)
+            outs.append(self._attend(q[i : i + 1], kk, vv, q_pos))
+        return torch.cat(outs).reshape(n, -1)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        return rows_mm(attn, self.w_o)
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._qkv(x, positions)

@@ -69,14 +69,24 @@ class DeltaLayer:
             torch.zeros(c.delta_heads, c.delta_key_dim, c.delta_value_dim, device=device),
         )
 
-    # -- shared projections ----------------------------------------------------
-    def _project(self, x: torch.Tensor, conv_state: torch.Tensor):  # type: ignore[no-untyped-def]
+    # -- projections, batched over every request's rows ------------------------------
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Input projection of all rows of a step (row-exact, so batchable)."""
+        return rows_mm(x, self.w_in).float()
+
+    def output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gated norm + output projection of all rows of a step."""
+        n = o.shape[0]
+        o = rms_norm(o, self.o_norm.float(), self.cfg.rms_eps) * torch.sigmoid(z.view(n, self.cfg.delta_heads, -1))
+        return rows_mm(o.reshape(n, -1).to(dtype), self.w_o)
+
+    def _split(self, proj: torch.Tensor, conv_state: torch.Tensor):
         c = self.cfg
         h, dk, dv = c.delta_heads, c.delta_key_dim, c.delta_value_dim
-        mixed, graw, braw, z = rows_mm(x, self.w_in).float().split(self.splits, dim=-1)
+        mixed, graw, braw, z = proj.split(self.splits, dim=-1)
         conv_out, full = causal_conv(mixed, conv_state, self.conv_w.float())
         q, k, v = conv_out.split(self.qkv_splits, dim=-1)
-        n = x.shape[0]
+        n = proj.shape[0]
         q = l2_normalize(q.view(n, h, dk)) * dk**-0.5
         k = l2_normalize(k.view(n, h, dk))
         v = v.view(n, h, dv)
@@ -84,25 +94,20 @@ class DeltaLayer:
         beta = torch.sigmoid(braw)
         return q, k, v, g, beta, z, full
 
-    def _output(self, o: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        n = o.shape[0]
-        o = rms_norm(o, self.o_norm.float(), self.cfg.rms_eps) * torch.sigmoid(z.view(n, self.cfg.delta_heads, -1))
-        return rows_mm(o.reshape(n, -1).to(dtype), self.w_o)
-
     # -- prefill: chunked form ---------------------------------------------------
-    def prefill(
-        self, x: torch.Tensor, start: int, state: DeltaState, snapshot_at: frozenset[int] = frozenset()
-    ) -> tuple[torch.Tensor, DeltaState, dict[int, DeltaState]]:
-        """Compute tokens ``[start, start + len(x))`` from ``state``.
+    def prefill_core(
+        self, proj: torch.Tensor, start: int, state: DeltaState, snapshot_at: frozenset[int] = frozenset()
+    ) -> tuple[torch.Tensor, torch.Tensor, DeltaState, dict[int, DeltaState]]:
+        """Compute tokens ``[start, start + n)`` (projected rows) from ``state``.
 
-        ``start`` must be a multiple of the kernel chunk. Returns the output,
-        the state after the last token, and the states at the requested
-        positions (which must be chunk boundaries inside the range).
+        ``start`` must be a multiple of the kernel chunk. Returns the
+        pre-output ``o`` and gate ``z``, the state after the last token, and
+        the states at the requested positions (chunk boundaries in range).
         """
         if start % KERNEL_CHUNK:
             raise ValueError("prefill must start at a multiple of %d, got %d" % (KERNEL_CHUNK, start))
-        n = x.shape[0]
-        q, k, v, g, beta, z, full = self._project(x, state.conv)
+        n = proj.shape[0]
+        q, k, v, g, beta, z, full = self._split(proj, state.conv)
         km1 = self.cfg.conv_kernel - 1
         s = state.ssm
         outs = []
@@ -114,24 +119,34 @@ class DeltaLayer:
             pos = start + c1
             if pos in snapshot_at:
                 snaps[pos] = DeltaState(full[c1 : c1 + km1].clone(), s.clone())
-        out = self._output(torch.cat(outs), z, x.dtype)
-        return out, DeltaState(full[n : n + km1].clone(), s), snaps
+        return torch.cat(outs), z, DeltaState(full[n : n + km1].clone(), s), snaps
 
     # -- decode: recurrent form -------------------------------------------------
-    def decode(self, x: torch.Tensor, state: DeltaState) -> tuple[torch.Tensor, list[DeltaState]]:
-        """Compute ``len(x)`` consecutive tokens one by one; returns the output
-        and the state after each token (EAGLE rolls back to one of them)."""
-        q, k, v, g, beta, z, full = self._project(x, state.conv)
+    def decode_core(self, proj: torch.Tensor, state: DeltaState) -> tuple[torch.Tensor, torch.Tensor, list[DeltaState]]:
+        """Compute ``n`` consecutive tokens one by one; returns ``o``, ``z`` and
+        the state after each token (EAGLE rolls back to one of them)."""
+        q, k, v, g, beta, z, full = self._split(proj, state.conv)
         km1 = self.cfg.conv_kernel - 1
         s = state.ssm
         outs, states = [], []
-        for t in range(x.shape[0]):
+        for t in range(proj.shape[0]):
             s = torch.exp(g[t])[:, :, None] * s
             u = v[t] - torch.einsum("hk,hkv->hv", k[t], s)
             s = s + beta[t][:, None, None] * k[t][:, :, None] * u[:, None, :]
             outs.append(torch.einsum("hk,hkv->hv", q[t], s))
             states.append(DeltaState(full[t + 1 : t + 1 + km1].clone(), s))
-        return self._output(torch.stack(outs), z, x.dtype), states
+        return torch.stack(outs), z, states
+
+    # -- single-request conveniences (tests, tools) ---------------------------------
+    def prefill(
+        self, x: torch.Tensor, start: int, state: DeltaState, snapshot_at: frozenset[int] = frozenset()
+    ) -> tuple[torch.Tensor, DeltaState, dict[int, DeltaState]]:
+        o, z, new_state, snaps = self.prefill_core(self.project(x), start, state, snapshot_at)
+        return self.output(o, z, x.dtype), new_state, snaps
+
+    def decode(self, x: torch.Tensor, state: DeltaState) -> tuple[torch.Tensor, list[DeltaState]]:
+        o, z, states = self.decode_core(self.project(x), state)
+        return self.output(o, z, x.dtype), states
 
 
 def _chunk(

@@ -37,23 +37,32 @@ class DraftHead:
 
     @torch.inference_mode()
     def propose(
-        self, token: int, hidden: torch.Tensor, k: int, sp: SamplingParams, gen: torch.Generator
-    ) -> tuple[list[int], torch.Tensor | None]:
-        """``k`` draft tokens following ``token``; with sampling also the draft
-        distribution of each (needed for rejection sampling)."""
-        drafts: list[int] = []
-        dists = []
-        h = hidden[None]
-        tok = torch.tensor([token], device=hidden.device)
-        for _ in range(k):
+        self,
+        tokens: list[int],
+        hidden: torch.Tensor,
+        ks: list[int],
+        sps: list[SamplingParams],
+        gens: list[torch.Generator],
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """Drafts for a batch of requests: row ``i`` proposes ``ks[i]`` tokens
+        after ``tokens[i]`` from target hidden ``hidden[i]``; with sampling also
+        each draft distribution (needed for rejection sampling)."""
+        n = len(tokens)
+        drafts: list[list[int]] = [[] for _ in range(n)]
+        dists: list[list[torch.Tensor]] = [[] for _ in range(n)]
+        tok = torch.tensor(tokens, device=hidden.device)
+        h = hidden
+        for step in range(max(ks, default=0)):
             h = self.forward(tok, h)
-            logits = self.target.logits(h)[0]
-            if sampler.is_greedy(sp):
-                nxt = int(torch.argmax(logits).item())
-            else:
-                p = sampler.probs(logits[None], sp)[0]
-                dists.append(p)
-                nxt = sampler.sample_row(p, gen)
-            drafts.append(nxt)
-            tok = torch.tensor([nxt], device=hidden.device)
-        return drafts, (torch.stack(dists) if dists else None)
+            logits = self.target.logits(h)
+            nxt = torch.argmax(logits, dim=-1).tolist()
+            for i in range(n):
+                if step >= ks[i]:
+                    continue
+                if not sampler.is_greedy(sps[i]):
+                    p = sampler.probs(logits[i : i + 1], sps[i])[0]
+                    dists[i].append(p)
+                    nxt[i] = sampler.sample_row(p, gens[i])
+                drafts[i].append(nxt[i])
+            tok = torch.tensor(nxt, device=hidden.device)
+        return [(d, torch.stack(q) if q else None) for d, q in zip(drafts, dists, strict=True)]

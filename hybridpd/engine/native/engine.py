@@ -42,7 +42,7 @@ from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.eagle import DraftHead
 from hybridpd.engine.native.model import HybridModel, Work
 from hybridpd.engine.native.model_config import KERNEL_CHUNK, HybridModelConfig
-from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from hybridpd.engine.native.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SeqStatus, Sequence
 from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.engine.native.weights import load_weights
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
@@ -77,6 +77,7 @@ class NativeEngine:
         num_state_slots: int = 128,
         export_checkpoints: bool = False,
         model_dir: Path | None = None,
+        record_logits: bool = False,
     ) -> None:
         if cfg.checkpoint_alignment is not None and cfg.checkpoint_alignment % KERNEL_CHUNK:
             raise ConfigError(
@@ -131,6 +132,8 @@ class NativeEngine:
         self.tensors: dict[str, _SeqTensors] = {}
         self.pending: list[RequestOutput] = []
         self.spec = SpecStats()
+        #: rid -> fp32 logits that chose each emitted token (tests compare paths)
+        self.logit_log: dict[str, list[torch.Tensor]] | None = {} if record_logits else None
 
     # -- requests ------------------------------------------------------------------
     def _validate(self, request: EngineRequest) -> None:
@@ -195,33 +198,51 @@ class NativeEngine:
         if not scheduled:
             return outputs
         works: list[Work] = []
-        drafts: list[tuple[list[int], torch.Tensor | None]] = []
+        drafts = self._propose(scheduled)
         for sw in scheduled:
             seq = sw.seq
-            t = self.tensors.get(seq.rid) or self._start(seq)
+            t = self.tensors[seq.rid]
             start = seq.num_computed
             if sw.decode:
-                d: list[int] = []
-                dp = None
-                left = seq.request.sampling.max_tokens - seq.num_output
-                if self.draft is not None and left > 1 and t.last_hidden is not None:
-                    k = min(sw.num_tokens - 1, left - 1)
-                    d, dp = self.draft.propose(seq.token_ids[-1], t.last_hidden, k, seq.request.sampling, t.gen)
-                tokens = [seq.token_ids[-1], *d]
-                drafts.append((d, dp))
+                tokens = [seq.token_ids[-1], *drafts.get(seq.rid, ([], None))[0]]
                 works.append(Work(torch.tensor(tokens), start, seq.block_ids, t.delta, True))
             else:
                 cp = seq.checkpoint_pos
                 snap = frozenset({cp}) if cp is not None and start < cp <= start + sw.num_tokens else frozenset()
                 tokens = seq.token_ids[start : start + sw.num_tokens]
-                drafts.append(([], None))
                 works.append(Work(torch.tensor(tokens), start, seq.block_ids, t.delta, False, snap))
         self.model.forward(works, self.kv_caches)
-        for sw, work, (d, dp) in zip(scheduled, works, drafts, strict=True):
+        for sw, work in zip(scheduled, works, strict=True):
+            d, dp = drafts.get(sw.seq.rid, ([], None))
             out = self._after_decode(sw.seq, work, d, dp) if sw.decode else self._after_prefill(sw.seq, work)
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _propose(self, scheduled: list[ScheduledWork]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+        """EAGLE drafts for every decoding request of the step, in one batch."""
+        for sw in scheduled:
+            if sw.seq.rid not in self.tensors:
+                self._start(sw.seq)
+        if self.draft is None:
+            return {}
+        rows = []
+        for sw in scheduled:
+            seq = sw.seq
+            t = self.tensors[seq.rid]
+            left = seq.request.sampling.max_tokens - seq.num_output
+            if sw.decode and left > 1 and t.last_hidden is not None:
+                rows.append((seq, t, min(sw.num_tokens - 1, left - 1)))
+        if not rows:
+            return {}
+        got = self.draft.propose(
+            [seq.token_ids[-1] for seq, _, _ in rows],
+            torch.stack([t.last_hidden for _, t, _ in rows]),  # type: ignore[misc]
+            [k for _, _, k in rows],
+            [seq.request.sampling for seq, _, _ in rows],
+            [t.gen for _, t, _ in rows],
+        )
+        return {seq.rid: g for (seq, _, _), g in zip(rows, got, strict=True)}
 
     def _start(self, seq: Sequence) -> _SeqTensors:
         if seq.restore_slot is not None:
@@ -256,7 +277,9 @@ class NativeEngine:
         if seq.num_computed < seq.num_prompt:
             return None
         assert work.hidden is not None
-        token = sampler.pick(self.model.logits(work.hidden[-1:])[0], seq.request.sampling, t.gen)
+        last_logits = self.model.logits(work.hidden[-1:])
+        self._log_logits(seq.rid, last_logits)
+        token = sampler.pick(last_logits[0], seq.request.sampling, t.gen)
         t.last_hidden = work.hidden[-1].clone()
         self._register_prompt_blocks(seq)
         seq.token_ids.append(token)
@@ -291,6 +314,7 @@ class NativeEngine:
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 break
+        self._log_logits(seq.rid, logits[: len(out)])
         if reason is not None:
             self._finish(seq)
         else:
@@ -300,6 +324,10 @@ class NativeEngine:
         return RequestOutput(
             seq.request.request_id, tuple(out), reason is not None, reason, seq.num_prompt, seq.num_cached
         )
+
+    def _log_logits(self, rid: str, rows: torch.Tensor) -> None:
+        if self.logit_log is not None:
+            self.logit_log.setdefault(rid, []).extend(r.clone() for r in rows)
 
     # -- caching and exports -------------------------------------------------------
     def _register_prompt_blocks(self, seq: Sequence) -> None:
@@ -355,7 +383,7 @@ class NativeEngine:
 
     def _expected_shapes(self, n: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
         m = self.mcfg
-        kv = [(n, m.num_kv_heads, m.head_dim)] * (2 * len(self.model.attn_layers))
+        kv: list[tuple[int, ...]] = [(n, m.num_kv_heads, m.head_dim)] * (2 * len(self.model.attn_layers))
         st: list[tuple[int, ...]] = []
         for _ in self.model.delta_layers:
             st += [(m.conv_kernel - 1, m.conv_dim), (m.delta_heads, m.delta_key_dim, m.delta_value_dim)]

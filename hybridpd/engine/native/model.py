@@ -72,33 +72,55 @@ class HybridModel:
         for w in works:
             if w.decode:
                 w.token_states = [[] for _ in range(w.tokens.numel())]
+        positions = torch.cat([torch.arange(w.start, w.start + w.tokens.numel()) for w in works]).to(self.device)
         for li, mixer in enumerate(self.mixers):
             norm1, norm2 = self.norms[li]
             h = rms_norm(x, norm1, self.cfg.rms_eps)
-            outs = []
-            for wi, w in enumerate(works):
-                hs = h[bounds[wi] : bounds[wi + 1]]
-                if isinstance(mixer, DeltaLayer):
-                    di = self.delta_layers.index(li)
-                    if w.decode:
-                        out, states = mixer.decode(hs, w.delta[di])
-                        for t, st in enumerate(states):
-                            w.token_states[t].append(st)
-                        w.delta[di] = states[-1]
-                    else:
-                        out, new_state, snaps = mixer.prefill(hs, w.start, w.delta[di], w.snapshot_at)
-                        w.delta[di] = new_state
-                        for pos, st in snaps.items():
-                            w.snapshots.setdefault(pos, []).append(st)
-                else:
-                    cache = kv_caches[self.attn_layers.index(li)]
-                    fn = mixer.decode if w.decode else mixer.prefill
-                    out = fn(hs, w.start, cache, w.block_table)
-                outs.append(out)
-            x = x + torch.cat(outs)
+            if isinstance(mixer, DeltaLayer):
+                out = self._delta_layer(mixer, self.delta_layers.index(li), h, works, bounds)
+            else:
+                out = self._attention_layer(mixer, kv_caches[self.attn_layers.index(li)], h, positions, works, bounds)
+            x = x + out
             x = x + swiglu(rms_norm(x, norm2, self.cfg.rms_eps), *self.mlps[li])
         for wi, w in enumerate(works):
             w.hidden = x[bounds[wi] : bounds[wi + 1]]
+
+    @staticmethod
+    def _delta_layer(mixer: DeltaLayer, di: int, h: torch.Tensor, works: list[Work], bounds: list[int]) -> torch.Tensor:
+        proj = mixer.project(h)
+        os, zs = [], []
+        for wi, w in enumerate(works):
+            p = proj[bounds[wi] : bounds[wi + 1]]
+            if w.decode:
+                o, z, states = mixer.decode_core(p, w.delta[di])
+                for t, st in enumerate(states):
+                    w.token_states[t].append(st)
+                w.delta[di] = states[-1]
+            else:
+                o, z, new_state, snaps = mixer.prefill_core(p, w.start, w.delta[di], w.snapshot_at)
+                w.delta[di] = new_state
+                for pos, st in snaps.items():
+                    w.snapshots.setdefault(pos, []).append(st)
+            os.append(o)
+            zs.append(z)
+        return mixer.output(torch.cat(os), torch.cat(zs), h.dtype)
+
+    @staticmethod
+    def _attention_layer(
+        mixer: AttentionLayer,
+        cache: tuple[torch.Tensor, torch.Tensor],
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        works: list[Work],
+        bounds: list[int],
+    ) -> torch.Tensor:
+        q, k, v = mixer.qkv(h, positions)
+        outs = []
+        for wi, w in enumerate(works):
+            sl = slice(bounds[wi], bounds[wi + 1])
+            fn = mixer.decode_core if w.decode else mixer.prefill_core
+            outs.append(fn(q[sl], k[sl], v[sl], w.start, cache, w.block_table))
+        return mixer.output(torch.cat(outs))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for rows of final hidden states."""

@@ -1,0 +1,71 @@
+"""Tokenization for serving: text <-> ids, chat templates, streaming detokenization.
+
+Wraps a HuggingFace ``tokenizers`` file plus a ``tokenizer_config.json``
+(chat template as a Jinja string, stop tokens), as shipped in a model
+directory. Shared by the router and the engines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from tokenizers import Tokenizer
+
+from hybridpd.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+class TextTokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+        self.template = env.from_string(cfg["chat_template"]) if cfg.get("chat_template") else None
+        self.stop_token_ids = tuple(
+            i for i in (self.tok.token_to_id(t) for t in cfg.get("stop_tokens", [])) if i is not None
+        )
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        if self.template is None:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions")
+        text = self.template.render(
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+        )
+        return self.encode(text)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of ids into text deltas without splitting a
+    multi-byte character (held back until complete)."""
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self.emitted) :]
+        self.emitted = text
+        return delta

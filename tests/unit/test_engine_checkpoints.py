@@ -1,0 +1,138 @@
+"""The engine exports checkpoints exactly where DESIGN.md's examples say,
+re-keys the EAGLE slot, and frees everything, aborts included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridpd.checkpoints import checkpoint_position
+from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
+
+
+def _exported(eng, toks, max_tokens: int = 1) -> list[int]:  # type: ignore[no-untyped-def]
+    eng.generate([req("r%d" % len(toks), toks, max_tokens)])
+    return [st.meta.position for _, st in eng.pop_exports()]
+
+
+def test_example_u8_b64_a16_n100() -> None:
+    toks = prompt(100, 1)
+    assert _exported(make_engine(prefix_match_unit=8, export_checkpoints=True), toks) == [96]
+    # with EAGLE the position is 88, which 16-alignment forbids: nothing exported
+    eng = make_engine(prefix_match_unit=8, eagle=True, export_checkpoints=True)
+    assert _exported(eng, toks) == []
+    assert eng.state_pool.num_cached == 0
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_example_19u_plus_7(eagle: bool) -> None:
+    u = 16
+    eng = make_engine(eagle=eagle, export_checkpoints=True)
+    assert _exported(eng, prompt(19 * u + 7, 2)) == [18 * u if eagle else 19 * u]
+
+
+def test_example_b16_rows() -> None:
+    # u = B = a = 16: a 50-token prompt exports at 48; a 32-token prompt whose
+    # first 16 tokens hit computes [16, 32): 16 < 16 fails, nothing exported.
+    eng = make_engine(mamba_block_size=16, export_checkpoints=True)
+    assert _exported(eng, prompt(50, 3)) == [48]
+    base = prompt(32, 4)
+    assert _exported(eng, base[:20]) == [16]
+    eng.add_request(req("row1", base, 1))
+    outs = []
+    while eng.has_work():
+        outs.extend(eng.step())
+    assert outs[0].num_cached_tokens == 16
+    assert eng.pop_exports() == []
+    assert_no_leaks(eng)
+
+
+def test_rekey_u32_b32_n104_eagle() -> None:
+    toks = prompt(104, 5)
+    eng = make_engine(prefix_match_unit=32, mamba_block_size=32, eagle=True, export_checkpoints=True)
+    eng.generate([req("e", toks, 1)])
+    ((kv, st),) = eng.pop_exports()
+    chain = eng.hasher.chain(list(toks))
+    assert st.meta.position == 64 and kv.meta.position == 64
+    assert st.key == chain[1]  # hash of [0, 64), not the slot's natural state@96
+    assert eng.state_pool.lookup(chain[1]) is not None
+    assert eng.state_pool.lookup(chain[2]) is None
+    # the bytes are the true state@64: equal to a plain run that exports at 64
+    plain = make_engine(prefix_match_unit=32, mamba_block_size=32, export_checkpoints=True)
+    plain.generate([req("p", toks[:80], 1)])
+    ((_, st64),) = plain.pop_exports()
+    assert st64.meta.position == 64
+    for a, b in zip(st.buffers, st64.buffers, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_cross_check_long_prompts(eagle: bool) -> None:
+    """u=1024, B=4096, a=64: published == lookup boundary == allocation."""
+    u = 1024
+    for n in (8192 + 100, 12288):
+        eng = make_engine(
+            prefix_match_unit=u,
+            mamba_block_size=4096,
+            checkpoint_alignment=64,
+            eagle=eagle,
+            export_checkpoints=True,
+            num_kv_blocks=64,
+            max_num_batched_tokens=8192,
+            max_model_len=32768,
+        )
+        toks = prompt(n + 2 * u, n)
+        published = _exported(eng, toks[:n])
+        assert published == [checkpoint_position(n, u, eagle)]
+        eng.add_request(req("ext", toks, 1))
+        outs = []
+        while eng.has_work():
+            outs.extend(eng.step())
+        assert outs[0].num_cached_tokens == published[0]
+        assert_no_leaks(eng)
+
+
+def test_abort_frees_everything() -> None:
+    eng = make_engine(max_num_batched_tokens=64, eagle=True)
+    for i, n in enumerate([300, 40, 900, 5]):
+        eng.add_request(req("a%d" % i, prompt(n, 10 + i), 50))
+    for _ in range(6):  # some prefilling, some decoding, some waiting
+        eng.step()
+    assert eng.stats().num_running > 0
+    for i in range(4):
+        assert eng.abort("a%d" % i)
+    assert not eng.abort("a0")
+    outs = eng.step()
+    assert sorted(o.request_id for o in outs) == ["a0", "a1", "a2", "a3"]
+    assert all(o.finished and o.finish_reason == "abort" for o in outs)
+    assert_no_leaks(eng)
+
+
+def test_invalid_requests_rejected() -> None:
+    from hybridpd.errors import InvalidRequestError
+
+    eng = make_engine()
+    with pytest.raises(InvalidRequestError, match="at least one token"):
+        eng.add_request(req("x", ()))
+    with pytest.raises(InvalidRequestError, match="token ids"):
+        eng.add_request(req("x", (1, 99999)))
+    with pytest.raises(InvalidRequestError, match="max_model_len"):
+        eng.add_request(req("x", (5,) * 16000, 1000))
+    eng.add_request(req("x", (5, 6)))
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        eng.add_request(req("x", (5, 6)))
+    eng.abort("x")
+    eng.step()
+    assert_no_leaks(eng)
+
+
+def test_corrupt_checkpoint_rejected() -> None:
+    from hybridpd.errors import IntegrityError
+
+    toks = prompt(300, 8)
+    src = make_engine(export_checkpoints=True)
+    src.generate([req("w", toks, 1)])
+    ((kv, st),) = src.pop_exports()
+    other = list(prompt(300, 9))
+    with pytest.raises(IntegrityError, match="chain hash"):
+        make_engine().import_checkpoint(kv, st, other)

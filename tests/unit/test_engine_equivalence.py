@@ -1,0 +1,147 @@
+"""Native engine: every execution path gives the tokens of a plain run.
+
+Reference = one request alone, one-shot prefill, prefix caching off. Compared
+token for token (greedy) and logits within 1e-4 (fp32): chunked prefill under
+several budgets with all requests batched, a prefix hit at every valid
+checkpoint, export -> import into a fresh engine, prefill -> decode handoff,
+and EAGLE on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
+
+LENGTHS = [1, 15, 16, 17, 63, 64, 65, 100, 257, 700, 1301, 2000]
+PROMPTS = {"p%d" % n: prompt(n, seed=n) for n in LENGTHS}
+MAX_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+    out = {}
+    for rid, toks in PROMPTS.items():
+        eng = make_engine(enable_prefix_caching=False, record_logits=True)
+        got = eng.generate([req(rid, toks, MAX_TOKENS)])
+        assert eng.logit_log is not None
+        out[rid] = (got[rid], eng.logit_log[rid])
+        assert_no_leaks(eng)
+    return out
+
+
+def _check(reference, rid: str, tokens: list[int], logits: list[torch.Tensor] | None = None) -> None:  # type: ignore[no-untyped-def]
+    want_tokens, want_logits = reference[rid]
+    assert tokens == want_tokens, rid
+    if logits is not None:
+        assert len(logits) == len(want_logits)
+        for a, b in zip(logits, want_logits, strict=True):
+            assert (a - b).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("budget", [16, 48, 128, 1000])
+def test_chunked_batched_equals_reference(reference, budget: int) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(max_num_batched_tokens=budget, record_logits=True)
+    got = eng.generate([req(rid, toks, MAX_TOKENS) for rid, toks in PROMPTS.items()])
+    assert eng.logit_log is not None
+    for rid in PROMPTS:
+        _check(reference, rid, got[rid], eng.logit_log[rid])
+    assert_no_leaks(eng)
+
+
+def _valid_hits(n: int, unit: int = 16, block: int = 64) -> list[int]:
+    # checkpoints from a prefix request of length L + 1 (start 0): L multiple of
+    # 16 with ceil((L+1)/B) - 2 > -1, i.e. L >= B; and L < n.
+    return [L for L in range(block, n, unit)]
+
+
+@pytest.mark.parametrize(
+    ("rid", "hits"),
+    [("p257", _valid_hits(257)), ("p700", [64, 336, 688]), ("p2000", [64, 1024, 1984])],
+)
+def test_prefix_hit_at_valid_checkpoints(reference, rid: str, hits: list[int]) -> None:  # type: ignore[no-untyped-def]
+    toks = PROMPTS[rid]
+    for hit in hits:
+        eng = make_engine(export_checkpoints=True, record_logits=True)
+        eng.generate([req("warm", toks[: hit + 1], 1)])
+        exported = [st.meta.position for _, st in eng.pop_exports()]
+        assert exported == [hit], (hit, exported)
+        outs = []
+        eng.add_request(req(rid, toks, MAX_TOKENS))
+        while eng.has_work():
+            outs.extend(eng.step())
+        assert outs[0].num_cached_tokens == hit
+        assert eng.logit_log is not None
+        _check(reference, rid, [t for o in outs for t in o.new_token_ids], eng.logit_log[rid])
+        assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("rid", ["p700", "p2000"])
+def test_export_import_into_fresh_engine(reference, rid: str) -> None:  # type: ignore[no-untyped-def]
+    toks = PROMPTS[rid]
+    src = make_engine(export_checkpoints=True)
+    src.generate([req("warm", toks[: len(toks) // 2], 1)])
+    ((kv, state),) = src.pop_exports()
+    dst = make_engine(record_logits=True)
+    assert dst.import_checkpoint(kv, state, list(toks))
+    eng_out = []
+    dst.add_request(req(rid, toks, MAX_TOKENS))
+    while dst.has_work():
+        eng_out.extend(dst.step())
+    assert eng_out[0].num_cached_tokens == state.meta.position > 0
+    assert dst.logit_log is not None
+    _check(reference, rid, [t for o in eng_out for t in o.new_token_ids], dst.logit_log[rid])
+    assert_no_leaks(src)
+    assert_no_leaks(dst)
+
+
+@pytest.mark.parametrize("rid", ["p1", "p65", "p1301"])
+@pytest.mark.parametrize("eagle", [False, True])
+def test_prefill_decode_handoff(reference, rid: str, eagle: bool) -> None:  # type: ignore[no-untyped-def]
+    prefill = make_engine(eagle=eagle)
+    decode = make_engine(eagle=eagle)
+    r = req(rid, PROMPTS[rid], MAX_TOKENS)
+    prefill.add_request(r, prefill_only=True)
+    first = []
+    while prefill.has_work():
+        first.extend(prefill.step())
+    handoff = prefill.handoffs.pop(rid)
+    decode.add_handoff(handoff)
+    rest = []
+    while decode.has_work():
+        rest.extend(decode.step())
+    tokens = [handoff.first_token_id] + [t for o in rest for t in o.new_token_ids]
+    assert [t for o in first for t in o.new_token_ids] == [handoff.first_token_id]
+    _check(reference, rid, tokens)
+    assert_no_leaks(prefill)
+    assert_no_leaks(decode)
+
+
+def test_eagle_on_equals_off(reference) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(eagle=True, num_speculative_tokens=3, record_logits=True)
+    got = eng.generate([req(rid, toks, MAX_TOKENS) for rid, toks in PROMPTS.items()])
+    assert eng.logit_log is not None
+    for rid in PROMPTS:
+        _check(reference, rid, got[rid], eng.logit_log[rid])
+    assert eng.spec.steps > 0 and eng.spec.mean_acceptance_length >= 1.0
+    assert_no_leaks(eng)
+
+
+def test_batch_composition_does_not_change_results(reference) -> None:  # type: ignore[no-untyped-def]
+    # the same request beside different neighbours, staggered arrivals
+    eng = make_engine(max_num_batched_tokens=256, record_logits=True)
+    for rid in ["p2000", "p17", "p700"]:
+        eng.add_request(req(rid, PROMPTS[rid], MAX_TOKENS))
+        eng.step()
+    out: dict[str, list[int]] = {"p2000": [], "p17": [], "p700": []}
+    while eng.has_work():
+        for o in eng.step():
+            out[o.request_id].extend(o.new_token_ids)
+    # first step outputs were consumed above only for requests that finished prefill then
+    assert eng.logit_log is not None
+    for rid in out:
+        assert len(eng.logit_log[rid]) == MAX_TOKENS
+        for a, b in zip(eng.logit_log[rid], reference[rid][1], strict=True):
+            assert torch.equal(a, b), rid
+    assert_no_leaks(eng)
