@@ -76,6 +76,65 @@ def config_show(fmt: str, config_path: str | None, **flags: Any) -> None:
         click.echo(cfg.to_yaml(), nl=False)
 
 
+@cli.command()
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Logs and data of started services (default: a new temp dir).",
+)
+@click.option("--exit-after-start", is_flag=True, help="Start, print the URLs, stop again (a smoke check).")
+@config_options
+def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **flags: Any) -> None:
+    """Start the local stack on its embedded defaults and print its URLs.
+
+    Starts Redis (prefix index), mooncake_master (checkpoint store) and a local
+    Ray head with its dashboard, or connects to the ones named by
+    --redis-url / --mooncake-master / --ray-address. Ctrl-C stops everything
+    it started.
+    """
+    import signal
+    import tempfile
+    import threading
+    from pathlib import Path
+
+    from hybridpd.errors import HybridPDError
+    from hybridpd.logging import setup_logging
+    from hybridpd.stack import LocalStack
+
+    setup_logging()
+    cfg = build_config(config_path, flags)
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hybridpd-"))
+    stack = LocalStack(cfg, wd)
+    try:
+        urls = stack.start()
+    except HybridPDError as exc:
+        click.echo("error: %s" % exc, err=True)
+        sys.exit(1)
+    click.echo("hybridpd is up (logs in %s)" % wd)
+    click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
+    click.echo("  Redis (prefix index) %s" % urls.redis_url)
+    click.echo("  Mooncake master      %s" % urls.mooncake_master)
+    click.echo("  Mooncake metadata    %s" % urls.mooncake_metadata_url)
+    if urls.mooncake_metrics_url:
+        click.echo("  Mooncake metrics     %s" % urls.mooncake_metrics_url)
+    click.echo(
+        "  Router (HTTP %s:%d, gRPC :%d) is not part of this build yet." % (cfg.host, cfg.http_port, cfg.grpc_port)
+    )
+    sys.stdout.flush()
+    if exit_after_start:
+        stack.stop()
+        return
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    click.echo("Press Ctrl-C to stop.")
+    sys.stdout.flush()
+    done.wait()
+    click.echo("stopping...")
+    stack.stop()
+
+
 def main() -> None:
     cli(prog_name="hybridpd")
 

@@ -66,7 +66,10 @@ class HybridPDConfig(BaseModel):
 
     # -- external services (unset: the local stack starts its own)
     redis_url: str | None = Field(None, description="Redis URL of the prefix index, e.g. redis://:pw@host:port/0.")
-    mooncake_master: str | None = Field(None, description="Mooncake master host:port.")
+    mooncake_master: str | None = Field(None, description="Mooncake master host:port (its RPC port).")
+    mooncake_metadata_url: str | None = Field(
+        None, description="Mooncake HTTP metadata URL; default http://<master host>:8080/metadata."
+    )
     ray_address: str | None = Field(None, description="Ray cluster address; unset starts a local head.")
 
     # -- topology
@@ -85,9 +88,19 @@ class HybridPDConfig(BaseModel):
             raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
         if self.mooncake_master is not None and not _is_host_port(self.mooncake_master):
             raise ConfigError("mooncake_master", "must be host:port, got %r" % self.mooncake_master)
+        if self.mooncake_metadata_url is not None and not self.mooncake_metadata_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError("mooncake_metadata_url", "must be an http(s) URL, got %r" % self.mooncake_metadata_url)
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("redis_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_url)
         return self
+
+    def metadata_url(self) -> str | None:
+        """The Mooncake metadata URL for an external master (None: local stack)."""
+        if self.mooncake_metadata_url or not self.mooncake_master:
+            return self.mooncake_metadata_url
+        return "http://%s:8080/metadata" % self.mooncake_master.rpartition(":")[0]
 
     def to_yaml(self) -> str:
         """The effective config as a YAML file :func:`load_config` accepts."""

@@ -7,10 +7,10 @@ so a changed ``.proto`` without regenerated code cannot land.
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
 import sys
 from pathlib import Path
-
-from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
@@ -21,12 +21,20 @@ def proto_files() -> list[Path]:
 
 
 def generate(out_dir: Path) -> None:
-    """Run protoc for every ``.proto`` into ``out_dir`` (python, grpc, pyi)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    import grpc_tools
+    """Run protoc for every ``.proto`` into ``out_dir`` (python, grpc, pyi).
 
-    include = Path(grpc_tools.__file__).parent / "_proto"
+    NOTE: protoc runs in a child process. ``grpc_tools.protoc`` carries its own
+    libprotobuf, and once loaded it makes a later ``import nixl`` in the same
+    process abort (munmap_chunk(): invalid pointer), measured here.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = importlib.util.find_spec("grpc_tools")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("grpc_tools is not installed (pip install grpcio-tools)")
+    include = Path(next(iter(spec.submodule_search_locations))) / "_proto"
     args = [
+        sys.executable,
+        "-m",
         "grpc_tools.protoc",
         "-I%s" % PROTO_DIR,
         "-I%s" % include,
@@ -35,9 +43,9 @@ def generate(out_dir: Path) -> None:
         "--pyi_out=%s" % out_dir,
         *[str(p.relative_to(PROTO_DIR)) for p in proto_files()],
     ]
-    rc = protoc.main(args)
-    if rc != 0:
-        raise RuntimeError("protoc failed with exit code %d" % rc)
+    res = subprocess.run(args, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError("protoc failed (%d): %s" % (res.returncode, res.stderr))
 
 
 def main() -> int:

@@ -72,6 +72,22 @@ class AttentionLayer:
         probs = torch.softmax(scores, dim=-1).to(vh.dtype)
         return (probs @ vh).transpose(0, 1)  # [m, H, hd]
 
+    def _store_and_gather(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: int,
+        caches: tuple[torch.Tensor, torch.Tensor],
+        block_table: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache the new K/V at ``[start, end)``; return keys/values ``[0, end)``
+        zero-padded to the next multiple of the kernel chunk."""
+        end = start + k.shape[0]
+        self.write(caches[0], block_table, start, k)
+        self.write(caches[1], block_table, start, v)
+        span = _round_up(end, KERNEL_CHUNK)
+        return self.gather(caches[0], block_table, end, span), self.gather(caches[1], block_table, end, span)
+
     def prefill_core(
         self,
         q: torch.Tensor,
@@ -83,11 +99,7 @@ class AttentionLayer:
     ) -> torch.Tensor:
         """Tokens ``[start, start + n)`` (rotated q/k, v); earlier KV must be cached."""
         n, end = q.shape[0], start + q.shape[0]
-        self.write(caches[0], block_table, start, k)
-        self.write(caches[1], block_table, start, v)
-        span = _round_up(end, KERNEL_CHUNK)
-        keys = self.gather(caches[0], block_table, end, span)
-        vals = self.gather(caches[1], block_table, end, span)
+        keys, vals = self._store_and_gather(k, v, start, caches, block_table)
         outs = []
         for t0 in range(start, end, KERNEL_CHUNK):
             t1 = t0 + KERNEL_CHUNK
@@ -110,12 +122,8 @@ class AttentionLayer:
     ) -> torch.Tensor:
         """Consecutive tokens ``[start, start + n)``, each attended alone."""
         n = q.shape[0]
-        self.write(caches[0], block_table, start, k)
-        self.write(caches[1], block_table, start, v)
         length = start + n
-        span = _round_up(length, KERNEL_CHUNK)
-        keys = self.gather(caches[0], block_table, length, span)
-        vals = self.gather(caches[1], block_table, length, span)
+        keys, vals = self._store_and_gather(k, v, start, caches, block_table)
         outs = []
         for i in range(n):
             pos = start + i

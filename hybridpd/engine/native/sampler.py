@@ -35,7 +35,8 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
 
 
 def sample_row(p: torch.Tensor, gen: torch.Generator) -> int:
-    return int(torch.multinomial(p, 1, generator=gen).item())
+    """One draw from ``p`` with the request's (CPU) generator, whatever the device."""
+    return int(torch.multinomial(p.float().cpu(), 1, generator=gen).item())
 
 
 def pick(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> int:

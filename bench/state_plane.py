@@ -1,0 +1,152 @@
+"""State plane speed: index lookup latency, store and NIXL throughput.
+
+    python -m bench.state_plane [--quick] [--json bench/results/state_plane.json]
+
+Starts a real redis-server and mooncake_master on loopback. Measures:
+- index lookup p50/p99 for a 1,300-hash chain (164K tokens at unit 128) with
+  2 live instances, beside a plain Redis PING round trip;
+- store put/get GB/s of one object, beside a memcpy of the same bytes;
+- NIXL READ GB/s between two processes (decode here, prefill in a child),
+  beside a memcpy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench.report import write_report
+from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.redis_server import RedisServer
+from hybridpd.store.client import CheckpointStore
+from hybridpd.store.master import MooncakeMaster
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeat))
+    return nbytes / best / 1e9
+
+
+def _timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _nixl_server(nbytes: int, q_out: Any, q_in: Any) -> None:
+    from hybridpd.transfer.nixl_handoff import HandoffServer
+
+    server = HandoffServer("bench-prefill", timeout_s=600)
+    for _ in range(q_in.get()):
+        q_out.put(server.offer([torch.ones(nbytes, dtype=torch.uint8)]))
+    q_in.get()
+    server.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path, default=Path("bench/results/state_plane.json"))
+    args = ap.parse_args()
+    n_lookups = 100 if args.quick else 1000
+    nbytes = (16 if args.quick else 64) << 20
+    result: dict[str, Any] = {"quick": args.quick}
+    with tempfile.TemporaryDirectory() as tmp:
+        redis_srv = RedisServer(Path(tmp))
+        master = MooncakeMaster(Path(tmp))
+        redis_srv.start()
+        master.start()
+        try:
+            # -- index
+            index = PrefixIndex(redis_srv.url, "bench")
+            chain = BlockHasher(unit=128, seed="bench").chain(list(range(164_000)))
+            assert len(chain) == 1281
+            chain = chain + BlockHasher(unit=128, seed="x").chain(list(range(19 * 128)))  # 1,300 hashes
+            index.publish_store(chain[:1000], chain[999], 1000 * 128)
+            for i in range(2):
+                index.publish_local("prefill-%d" % i, chain[: 500 * (i + 1)], [chain[500 * (i + 1) - 1]])
+                index.heartbeat("prefill-%d" % i, InstanceLoad())
+            lat, ping = [], []
+            for _ in tqdm(range(n_lookups), desc="index lookups", leave=False):
+                lat.append(_timed(lambda: index.lookup(chain, 1300 * 128 + 1, 128, False)) * 1e3)
+                ping.append(_timed(index.r.ping) * 1e3)
+            res = index.lookup(chain, 1300 * 128 + 1, 128, False)
+            assert res.store_hit == 1000 * 128 and res.instance_hits == {"prefill-0": 64000, "prefill-1": 128000}
+            result["index_lookup"] = {
+                "hashes": len(chain),
+                "p50_ms": statistics.median(lat),
+                "p99_ms": _pct(lat, 0.99),
+                "redis_ping_p50_ms": statistics.median(ping),
+            }
+            # -- store
+            store = CheckpointStore(master.address, master.metadata_url, "bench", segment_bytes=4 * nbytes)
+            blob = torch.ones(nbytes, dtype=torch.uint8)
+            puts, gets = [], []
+            for i in range(3):
+                key = "hpd/bench/blob/%d" % i
+                puts.append(_timed(lambda k=key: store.put_objects([(k, "blob", 0, [blob])])))
+                gets.append(_timed(lambda k=key: store.get_objects([k], "blob")))
+            result["store"] = {
+                "object_bytes": nbytes,
+                "put_gbps": nbytes / min(puts) / 1e9,
+                "get_gbps": nbytes / min(gets) / 1e9,
+                "memcpy_gbps": _memcpy_gbps(nbytes),
+            }
+            store.close()
+        finally:
+            master.stop()
+            redis_srv.stop()
+    # -- NIXL
+    from hybridpd.transfer.nixl_handoff import HandoffClient
+
+    ctx = mp.get_context("spawn")
+    q_out, q_in = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_nixl_server, args=(nbytes, q_out, q_in))
+    proc.start()
+    rounds = 3
+    q_in.put(rounds)
+    client = HandoffClient("bench-decode")
+    times = []
+    for _ in range(rounds):
+        desc = q_out.get(timeout=120)
+        times.append(_timed(lambda d=desc: client.fetch(d)))
+    q_in.put("stop")
+    proc.join(60)
+    result["nixl"] = {
+        "bytes": nbytes,
+        "read_gbps_incl_verify": nbytes / min(times) / 1e9,
+        "memcpy_gbps": _memcpy_gbps(nbytes),
+    }
+    print(result)
+    write_report(
+        args.json,
+        result,
+        {
+            "store put": result["store"]["put_gbps"],
+            "store get": result["store"]["get_gbps"],
+            "nixl read": result["nixl"]["read_gbps_incl_verify"],
+            "memcpy": result["store"]["memcpy_gbps"],
+        },
+        "GB/s",
+        "State plane throughput (loopback, 2-core CPU)",
+    )
+    print("wrote %s" % args.json)
+
+
+if __name__ == "__main__":
+    main()

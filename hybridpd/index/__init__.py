@@ -1,0 +1,1 @@
+"""The global prefix index in Redis (schema in ``schema.py``)."""

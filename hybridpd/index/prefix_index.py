@@ -1,0 +1,144 @@
+"""Client of the global prefix index (schema: ``schema.py``).
+
+Every Redis failure (refused, timed out, auth) surfaces as
+``UnavailableError`` within the configured timeout, so callers degrade to
+routing on load and recomputing; redis-py reconnects by itself once Redis is
+back (and re-loads the Lua script after a restart).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+
+import redis
+
+from hybridpd.errors import UnavailableError
+from hybridpd.hashing import BlockHash
+from hybridpd.index.schema import IndexKeys
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceLoad:
+    """What a prefill instance reports with each heartbeat."""
+
+    queued_tokens: int = 0
+    running_requests: int = 0
+    free_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Longest usable hit (tokens) in the store and per live instance."""
+
+    store_hit: int
+    instance_hits: Mapping[str, int] = field(default_factory=dict)
+
+
+@contextmanager
+def _mapped() -> Iterator[None]:
+    try:
+        yield
+    except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError) as exc:
+        raise UnavailableError("prefix index (Redis) unavailable: %s" % exc) from exc
+    except redis.ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            raise UnavailableError("prefix index (Redis) rejected our credentials: %s" % exc) from exc
+        raise
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        url: str,
+        model_id: str,
+        *,
+        ttl_s: int = 3600,
+        heartbeat_ttl_s: float = 10.0,
+        timeout_s: float = 0.5,
+    ) -> None:
+        self.keys = IndexKeys(model_id)
+        self.ttl_s = ttl_s
+        self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
+        self.r = redis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        )
+        script = resources.files("hybridpd.index").joinpath("lookup.lua").read_text()
+        self._lookup = self.r.register_script(script)
+
+    def ping(self) -> bool:
+        with _mapped():
+            return bool(self.r.ping())
+
+    # -- store entries ---------------------------------------------------------------
+    def publish_store(self, block_hashes: Sequence[BlockHash], state_hash: BlockHash | None, position: int) -> None:
+        """Mark KV blocks and (optionally) state@position as present in the
+        store. Call only after the store put succeeded."""
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            for h in block_hashes:
+                pipe.set(self.keys.kv(h), 1, ex=self.ttl_s)
+            if state_hash is not None:
+                pipe.set(self.keys.st(state_hash), position, ex=self.ttl_s)
+            pipe.execute()
+
+    def remove_store(self, kv_hashes: Sequence[BlockHash] = (), state_hashes: Sequence[BlockHash] = ()) -> None:
+        """Drop entries whose objects are missing or corrupt (index repair)."""
+        keys = [self.keys.kv(h) for h in kv_hashes] + [self.keys.st(h) for h in state_hashes]
+        if keys:
+            with _mapped():
+                self.r.delete(*keys)
+
+    # -- instance entries ------------------------------------------------------------
+    def publish_local(self, instance: str, kv_hashes: Sequence[BlockHash], state_hashes: Sequence[BlockHash]) -> None:
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            if kv_hashes:
+                pipe.hset(self.keys.local_kv(instance), mapping={h.hex(): 1 for h in kv_hashes})
+            if state_hashes:
+                pipe.hset(self.keys.local_st(instance), mapping={h.hex(): 1 for h in state_hashes})
+            pipe.execute()
+
+    def remove_local(
+        self, instance: str, kv_hashes: Sequence[BlockHash] = (), state_hashes: Sequence[BlockHash] = ()
+    ) -> None:
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            if kv_hashes:
+                pipe.hdel(self.keys.local_kv(instance), *[h.hex() for h in kv_hashes])
+            if state_hashes:
+                pipe.hdel(self.keys.local_st(instance), *[h.hex() for h in state_hashes])
+            pipe.execute()
+
+    def heartbeat(self, instance: str, load: InstanceLoad) -> None:
+        """Refresh liveness (and the TTL of the instance's local entries)."""
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.set(self.keys.heartbeat(instance), json.dumps(asdict(load)), px=self.heartbeat_ttl_ms)
+            pipe.sadd(self.keys.instances, instance)
+            pipe.expire(self.keys.local_kv(instance), self.ttl_s)
+            pipe.expire(self.keys.local_st(instance), self.ttl_s)
+            pipe.execute()
+
+    def live_instances(self) -> dict[str, InstanceLoad]:
+        with _mapped():
+            names = sorted(m.decode() if isinstance(m, bytes) else m for m in self.r.smembers(self.keys.instances))
+            if not names:
+                return {}
+            loads = self.r.mget([self.keys.heartbeat(n) for n in names])
+        return {n: InstanceLoad(**json.loads(v)) for n, v in zip(names, loads, strict=True) if v is not None}
+
+    # -- the lookup ------------------------------------------------------------------
+    def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
+        """One EVALSHA: the store hit and each live instance's local hit."""
+        args = [self.keys.prefix, num_tokens, unit, "1" if eagle else "0", *(h.hex() for h in block_hashes)]
+        with _mapped():
+            res = self._lookup(keys=[], args=args)
+        inst = {res[i].decode(): int(res[i + 1]) for i in range(1, len(res), 2)}
+        return LookupResult(int(res[0]), inst)

@@ -1,0 +1,56 @@
+"""Redis schema of the global prefix index. ``<m>`` is the model id, ``<H>``
+a chain hash in hex, ``<i>`` a prefill instance name.
+
+=========================  ======  ==========================================
+key                        type    meaning
+=========================  ======  ==========================================
+``hpd:<m>:kv:<H>``         string  KV of block H is in MooncakeStore (TTL)
+``hpd:<m>:st:<H>``         string  state after the prefix ending in block H is
+                                   in MooncakeStore; value = its position (TTL)
+``hpd:<m>:lkv:<i>``        hash    fields H: KV of block H is in instance i's
+                                   local cache (key TTL refreshed by heartbeat)
+``hpd:<m>:lst:<i>``        hash    fields H: state at H in instance i's cache
+``hpd:<m>:hb:<i>``         string  instance i is alive; value = its load (JSON),
+                                   expires unless heartbeats refresh it
+``hpd:<m>:instances``      set     instances that ever heartbeated (the lookup
+                                   drops members whose ``hb`` key expired)
+=========================  ======  ==========================================
+
+Rules: store entries are published only after the store put succeeded, and
+deleted when a load finds the object missing or corrupt. A lookup is one
+EVALSHA of ``lookup.lua``. MGET/HMGET of absent keys cost nothing, so holes
+anywhere in a chain are handled exactly (tests compare with a brute-force
+reference).
+
+For an external Redis set ``hash-max-ziplist-entries 64`` (``hash-max-listpack-
+entries`` on Redis 7+): instance hashes hold thousands of fields and a
+compact encoding makes every HMGET field a linear scan.
+"""
+
+from __future__ import annotations
+
+from hybridpd.hashing import BlockHash
+
+
+class IndexKeys:
+    def __init__(self, model_id: str) -> None:
+        self.prefix = "hpd:%s:" % model_id
+
+    def kv(self, h: BlockHash) -> str:
+        return "%skv:%s" % (self.prefix, h.hex())
+
+    def st(self, h: BlockHash) -> str:
+        return "%sst:%s" % (self.prefix, h.hex())
+
+    def local_kv(self, instance: str) -> str:
+        return "%slkv:%s" % (self.prefix, instance)
+
+    def local_st(self, instance: str) -> str:
+        return "%slst:%s" % (self.prefix, instance)
+
+    def heartbeat(self, instance: str) -> str:
+        return "%shb:%s" % (self.prefix, instance)
+
+    @property
+    def instances(self) -> str:
+        return self.prefix + "instances"

@@ -1,0 +1,96 @@
+"""Child processes the local stack starts (redis-server, mooncake_master).
+
+A :class:`ManagedProcess` is started with its output going to a log file,
+waits until its port accepts connections (or fails with the log tail), and is
+stopped with SIGTERM, then SIGKILL. It is a context manager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from hybridpd.errors import UnavailableError
+
+logger = logging.getLogger(__name__)
+
+#: Ray's GCS listens here by default; never give it to anything else.
+RAY_DEFAULT_PORT = 6379
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An unused TCP port on ``host`` (never 6379)."""
+    while True:
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port != RAY_DEFAULT_PORT:
+            return port
+
+
+def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+class ManagedProcess:
+    def __init__(self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.log_path = log_path
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, host: str, port: int, timeout_s: float = 20.0) -> None:
+        """Start and wait until ``host:port`` accepts connections."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        env = {**os.environ, **(self.env or {})}
+        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if port_open(host, port):
+                logger.info("%s up on %s:%d (pid %d)", self.name, host, port, self.proc.pid)
+                return
+            time.sleep(0.05)
+        tail = self.log_tail()
+        self.stop()
+        raise UnavailableError("%s did not come up on %s:%d; log tail:\n%s" % (self.name, host, port, tail))
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        logger.info("%s stopped", self.name)
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Checkpoint and KV objects in MooncakeStore (format in ``objects.py``)."""

@@ -1,0 +1,146 @@
+"""MooncakeStore client for attention-KV blocks and recurrent-state checkpoints.
+
+Keys (model-scoped; ``H`` is the hex chain hash)::
+
+    hpd/<model>/kv/<H>   KV of one unit block (every attention layer's K, V rows)
+    hpd/<model>/st/<H>   state of every delta layer after the prefix ending in block H
+
+A checkpoint at position ``p`` is ``p / u`` KV block objects plus one state
+object; blocks already in the store are not written again (chains share
+prefixes). Every object is checksummed (``objects.py``); a get verifies it.
+Errors: :class:`StoreMissError` (missing object: a stale index entry),
+``IntegrityError`` (corrupt), ``UnavailableError`` (the store failed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridpd.engine.base import BufferMeta, KVExport, StateCheckpoint
+from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError
+from hybridpd.hashing import BlockHash
+from hybridpd.store import objects
+
+logger = logging.getLogger(__name__)
+
+
+class StoreMissError(NotFoundError):
+    """An object the caller expected is not in the store."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    objects_written: int
+    bytes_written: int
+    seconds: float
+
+
+def _loopback_env() -> None:
+    # NOTE: Mooncake's transfer engine otherwise binds its RPC to the first
+    # non-loopback interface; the local stack stays on 127.0.0.1.
+    os.environ.setdefault("MC_TE_FILTERS", "lo")
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+
+
+class CheckpointStore:
+    def __init__(
+        self,
+        master: str,
+        metadata_url: str,
+        model_id: str,
+        *,
+        segment_bytes: int = 512 << 20,
+        buffer_bytes: int = 128 << 20,
+        local_host: str = "127.0.0.1",
+    ) -> None:
+        _loopback_env()
+        from mooncake.store import MooncakeDistributedStore
+
+        self.model_id = model_id
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(local_host, metadata_url, segment_bytes, buffer_bytes, "tcp", "", master)
+        if rc != 0:
+            raise UnavailableError("MooncakeStore setup against %s failed (rc %d)" % (master, rc))
+
+    def key(self, kind: str, h: BlockHash) -> str:
+        return "hpd/%s/%s/%s" % (self.model_id, kind, h.hex())
+
+    # -- generic objects -------------------------------------------------------------
+    def put_objects(self, items: Sequence[tuple[str, str, int, Sequence[torch.Tensor]]]) -> int:
+        """Put ``(key, kind, position, buffers)`` items; returns bytes written."""
+        total = 0
+        for key, kind, position, bufs in items:
+            parts = objects.encode(self.model_id, kind, position, bufs)
+            rc = self.store.put_parts(key, *parts)
+            if rc != 0:
+                raise UnavailableError("store put %s failed (rc %d)" % (key, rc))
+            total += sum(len(p) for p in parts)
+        return total
+
+    def get_objects(self, keys: Sequence[str], kind: str) -> list[tuple[objects.ObjectHeader, list[torch.Tensor]]]:
+        datas = self.store.get_batch(list(keys))
+        out = []
+        for key, data in zip(keys, datas, strict=True):
+            if not data:
+                raise StoreMissError("store has no object %s" % key)
+            out.append(objects.decode(data, self.model_id, kind))
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [r == 1 for r in self.store.batch_is_exist(list(keys))]
+
+    def remove(self, keys: Sequence[str]) -> None:
+        self.store.batch_remove(list(keys), True)
+
+    # -- checkpoints -----------------------------------------------------------------
+    def put_checkpoint(self, kv: KVExport, state: StateCheckpoint, unit: int) -> PutResult:
+        """Store the KV blocks ``[0, p)`` missing from the store and state@p."""
+        t0 = time.perf_counter()
+        pos = state.meta.position
+        if state.key is None or len(kv.block_hashes) != pos // unit or kv.meta.position != pos:
+            raise ValueError("checkpoint must carry the chain hashes of [0, %d)" % pos)
+        keys = [self.key("kv", h) for h in kv.block_hashes]
+        present = self.exists(keys)
+        items: list[tuple[str, str, int, Sequence[torch.Tensor]]] = []
+        for i, (k, there) in enumerate(zip(keys, present, strict=True)):
+            if not there:
+                rows = slice(i * unit, (i + 1) * unit)
+                items.append((k, "kv", (i + 1) * unit, [b[rows] for b in kv.buffers]))
+        items.append((self.key("st", state.key), "state", pos, list(state.buffers)))
+        nbytes = self.put_objects(items)
+        return PutResult(len(items), nbytes, time.perf_counter() - t0)
+
+    def get_checkpoint(self, block_hashes: Sequence[BlockHash], unit: int) -> tuple[KVExport, StateCheckpoint]:
+        """Load the checkpoint at ``len(block_hashes) * unit`` (verified)."""
+        pos = len(block_hashes) * unit
+        if not block_hashes:
+            raise ValueError("empty chain")
+        blocks = self.get_objects([self.key("kv", h) for h in block_hashes], "kv")
+        for i, (hdr, _) in enumerate(blocks):
+            if hdr.position != (i + 1) * unit:
+                raise IntegrityError("kv block %d holds position %d" % (i, hdr.position))
+        ((st_hdr, st_bufs),) = self.get_objects([self.key("st", block_hashes[-1])], "state")
+        if st_hdr.position != pos:
+            raise IntegrityError("state object holds position %d, expected %d" % (st_hdr.position, pos))
+        n_bufs = len(blocks[0][1])
+        kv_bufs = tuple(torch.cat([b[1][j] for b in blocks]) for j in range(n_bufs))
+        kv_meta = BufferMeta(
+            self.model_id, "kv", pos, blocks[0][0].dtype, tuple(tuple(b.shape) for b in kv_bufs), "attention"
+        )
+        st_meta = BufferMeta(self.model_id, "state", pos, st_hdr.dtype, st_hdr.shapes, "delta")
+        return (
+            KVExport(kv_meta, kv_bufs, tuple(block_hashes)),
+            StateCheckpoint(st_meta, block_hashes[-1], tuple(st_bufs)),
+        )
+
+    def close(self) -> None:
+        try:
+            self.store.close()
+        except Exception:  # closing a half-set-up client must not mask the real error
+            logger.debug("store close failed", exc_info=True)

@@ -1,0 +1,1 @@
+"""Prefill -> decode handoff of KV, state and draft buffers over NIXL."""

@@ -1,0 +1,222 @@
+"""NIXL handoff: prefill offers buffers, decode READs them, verifies, notifies.
+
+Lifecycle of one handoff::
+
+    prefill: offer(id, tensors) -> HandoffDescriptor  (memory registered,
+             xxh3 checksum per buffer, expiry = now + timeout)
+    decode:  fetch(desc) -> READ all buffers -> verify checksums
+             -> send notification "release:<id>" -> tensors
+    prefill: on "release:<id>" or at expiry: scrub (zero) and deregister.
+
+A decode that comes after the expiry gets ``HandoffError`` (checked before
+reading; and since expired buffers are zeroed before they are released, a
+read that races the expiry fails verification instead of returning stale
+bytes). Corrupted bytes raise ``IntegrityError`` and are never returned.
+DRAM on CPU (UCX, cross-memory-attach on loopback); VRAM for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from hybridpd.errors import HybridPDError, IntegrityError
+from hybridpd.store.objects import DTYPES, raw_bytes
+
+logger = logging.getLogger(__name__)
+
+
+class HandoffError(HybridPDError):
+    """The handoff cannot be read (expired, freed, or the transfer failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BufferSpec:
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    xxh3: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffDescriptor:
+    """Everything decode needs to read one handoff (plain data, no pickles)."""
+
+    handoff_id: str
+    agent_name: str
+    agent_metadata: bytes
+    descs: bytes
+    buffers: tuple[BufferSpec, ...]
+    expires_at: float  # wall clock (time.time())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(raw_bytes(t.cpu()))
+
+
+def _agent(name: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+@dataclass(slots=True)
+class _Offer:
+    tensors: list[torch.Tensor]
+    reg: object
+    expires_at: float
+
+
+class HandoffServer:
+    """Prefill side. A background thread frees offers on release
+    notifications and at expiry; ``close()`` frees everything."""
+
+    def __init__(self, name: str | None = None, timeout_s: float = 30.0, poll_s: float = 0.005) -> None:
+        self.name = name or "prefill-%s" % uuid.uuid4().hex[:8]
+        self.timeout_s = timeout_s
+        self.agent = _agent(self.name)
+        self.offers: dict[str, _Offer] = {}
+        # NOTE: one lock for the offers AND every agent call: the poll thread
+        # and offer() must not drive the NIXL agent concurrently.
+        self.lock = threading.RLock()
+        self.released = 0
+        self.expired = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, args=(poll_s,), name="nixl-handoff", daemon=True)
+        self._thread.start()
+
+    def offer(self, tensors: Sequence[torch.Tensor], handoff_id: str | None = None) -> HandoffDescriptor:
+        hid = handoff_id or uuid.uuid4().hex
+        owned = [t.detach().contiguous() for t in tensors]
+        specs = tuple(
+            BufferSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size(), _digest(t))
+            for t in owned
+        )
+        with self.lock:  # NOTE: metadata carries the registrations: take it after registering
+            reg = self.agent.register_memory(owned)
+            descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(owned))
+            metadata = self.agent.get_agent_metadata()
+            expires = time.time() + self.timeout_s
+            self.offers[hid] = _Offer(owned, reg, expires)
+        return HandoffDescriptor(hid, self.name, metadata, descs, specs, expires)
+
+    def outstanding(self) -> int:
+        with self.lock:
+            return len(self.offers)
+
+    def _free(self, hid: str, scrub: bool) -> None:
+        with self.lock:
+            offer = self.offers.pop(hid, None)
+            if offer is None:
+                return
+            if scrub:
+                for t in offer.tensors:
+                    t.zero_()
+            self.agent.deregister_memory(offer.reg)
+
+    def _loop(self, poll_s: float) -> None:
+        while not self._stop.is_set():
+            try:
+                with self.lock:
+                    notifs = self.agent.get_new_notifs()
+                for _agent_name, msgs in notifs.items():
+                    for msg in msgs:
+                        if msg.startswith(b"release:"):
+                            self._free(msg[8:].decode(), scrub=False)
+                            self.released += 1
+                now = time.time()
+                with self.lock:
+                    late = [h for h, o in self.offers.items() if o.expires_at <= now]
+                for hid in late:
+                    logger.warning("handoff %s not read within %.1fs: freeing it", hid, self.timeout_s)
+                    self._free(hid, scrub=True)
+                    self.expired += 1
+            except Exception:  # keep freeing on timeouts even if one notification is malformed
+                logger.exception("handoff server loop error")
+            self._stop.wait(poll_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        with self.lock:
+            ids = list(self.offers)
+        for hid in ids:
+            self._free(hid, scrub=True)
+
+
+class HandoffClient:
+    """Decode side."""
+
+    def __init__(self, name: str | None = None, read_timeout_s: float = 30.0) -> None:
+        self.name = name or "decode-%s" % uuid.uuid4().hex[:8]
+        self.agent = _agent(self.name)
+        self.read_timeout_s = read_timeout_s
+        self.remotes: dict[str, tuple[str, bytes]] = {}
+
+    def _remote(self, desc: HandoffDescriptor) -> str:
+        """The remote agent, (re)loaded when its metadata (registrations) changed."""
+        known = self.remotes.get(desc.agent_name)
+        if known is not None and known[1] == desc.agent_metadata:
+            return known[0]
+        if known is not None:
+            self.agent.remove_remote_agent(known[0])
+        name = self.agent.add_remote_agent(desc.agent_metadata)
+        self.remotes[desc.agent_name] = (name, desc.agent_metadata)
+        return name
+
+    def fetch(self, desc: HandoffDescriptor, device: str = "cpu") -> list[torch.Tensor]:
+        """READ, verify and release one handoff; returns owned tensors."""
+        if time.time() >= desc.expires_at:
+            raise HandoffError("handoff %s expired before it was read" % desc.handoff_id)
+        remote = self._remote(desc)
+        dst = [torch.empty(b.shape, dtype=DTYPES[b.dtype], device=device) for b in desc.buffers]
+        reg = self.agent.register_memory(dst)
+        handle = None
+        try:
+            local = self.agent.get_xfer_descs(dst)
+            remote_descs = self.agent.deserialize_descs(desc.descs)
+            handle = self.agent.initialize_xfer("READ", local, remote_descs, remote)
+            state = self.agent.transfer(handle)
+            deadline = time.monotonic() + self.read_timeout_s
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline:
+                    raise HandoffError("NIXL read of %s timed out" % desc.handoff_id)
+                state = self.agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise HandoffError("NIXL read of %s failed" % desc.handoff_id)
+        except HandoffError:
+            raise
+        except Exception as exc:  # NIXL raises its own error types (remote gone, bad descriptors)
+            raise HandoffError("NIXL read of %s failed: %s" % (desc.handoff_id, exc)) from exc
+        finally:
+            if handle is not None:
+                self.agent.release_xfer_handle(handle)
+            self.agent.deregister_memory(reg)
+        for i, (t, spec) in enumerate(zip(dst, desc.buffers, strict=True)):
+            if _digest(t) != spec.xxh3:
+                raise IntegrityError("handoff %s buffer %d failed its checksum" % (desc.handoff_id, i))
+        try:
+            self.agent.send_notif(remote, b"release:" + desc.handoff_id.encode())
+        except Exception:  # prefill frees on its timeout anyway
+            logger.warning("could not notify %s to release %s", desc.agent_name, desc.handoff_id)
+        return dst
+
+    def close(self) -> None:
+        for name, _ in self.remotes.values():
+            try:
+                self.agent.remove_remote_agent(name)
+            except Exception:  # already gone
+                logger.debug("remove_remote_agent %s failed", name, exc_info=True)
+        self.remotes.clear()

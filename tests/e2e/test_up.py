@@ -1,0 +1,59 @@
+"""`hybridpd up` as a user runs it: URLs printed, services answer, Ctrl-C stops them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import redis
+
+from hybridpd.procs import free_port, port_open
+
+
+def test_up_starts_and_ctrl_c_stops(tmp_path: Path) -> None:
+    exe = Path(sys.executable).parent / "hybridpd"
+    dash_port = free_port()
+    proc = subprocess.Popen(
+        [str(exe), "up", "--workdir", str(tmp_path), "--dashboard-port", str(dash_port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Press Ctrl-C" in line:
+                break
+        out = "".join(lines)
+        assert "Press Ctrl-C" in out, out
+        redis_url = re.search(r"Redis \(prefix index\)\s+(\S+)", out).group(1)  # type: ignore[union-attr]
+        master = re.search(r"Mooncake master\s+(\S+)", out).group(1)  # type: ignore[union-attr]
+        dash = re.search(r"Ray dashboard\s+(\S+)", out).group(1)  # type: ignore[union-attr]
+        assert redis.Redis.from_url(redis_url).ping()
+        host, _, port = master.rpartition(":")
+        assert port_open(host, int(port))
+        assert dash == "http://127.0.0.1:%d" % dash_port
+        with urllib.request.urlopen(dash + "/api/version", timeout=10) as resp:
+            assert resp.status == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert not port_open(host, int(port))
+        rport = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        assert not port_open("127.0.0.1", rport)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,143 @@
+"""Redis prefix index against a real redis-server: lookup == brute force,
+liveness, repair of stale entries, outage and recovery, AUTH."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridpd.checkpoints import longest_usable_hit
+from hybridpd.errors import UnavailableError
+from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.redis_server import RedisServer
+from hybridpd.store.client import CheckpointStore
+from hybridpd.store.loader import fetch_checkpoint
+from hybridpd.store.master import MooncakeMaster
+from tests.unit.engine_helpers import make_engine, prompt, req
+
+UNIT = 4
+HASHER = BlockHasher(unit=UNIT, seed="index-test")
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_tokens=st.integers(1, 160),
+    kv_present=st.lists(st.booleans(), min_size=40, max_size=40),
+    st_present=st.lists(st.booleans(), min_size=40, max_size=40),
+    inst_kv=st.lists(st.lists(st.booleans(), min_size=40, max_size=40), min_size=0, max_size=3),
+    inst_st=st.lists(st.lists(st.booleans(), min_size=40, max_size=40), min_size=3, max_size=3),
+    eagle=st.booleans(),
+)
+def test_lookup_equals_brute_force(
+    redis_server: RedisServer,
+    n_tokens: int,
+    kv_present: list[bool],
+    st_present: list[bool],
+    inst_kv: list[list[bool]],
+    inst_st: list[list[bool]],
+    eagle: bool,
+) -> None:
+    index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8])
+    chain = HASHER.chain(list(range(100, 100 + 160)))
+    nb = n_tokens // UNIT
+    hashes = chain[:nb]
+    index.publish_store([h for h, p in zip(chain, kv_present, strict=False) if p], None, 0)
+    for h, p in zip(chain, st_present, strict=False):
+        if p:
+            index.publish_store([], h, 0)
+    for i, kv in enumerate(inst_kv):
+        name = "prefill-%d" % i
+        index.publish_local(
+            name,
+            [h for h, p in zip(chain, kv, strict=False) if p],
+            [h for h, p in zip(chain, inst_st[i], strict=False) if p],
+        )
+        index.heartbeat(name, InstanceLoad(queued_tokens=i))
+    got = index.lookup(hashes, n_tokens, UNIT, eagle)
+
+    def brute(kv: list[bool], sp: list[bool]) -> int:
+        states = {(i + 1) * UNIT for i in range(nb) if sp[i]}
+        return longest_usable_hit(n_tokens, UNIT, kv[:nb], states, eagle)
+
+    assert got.store_hit == brute(kv_present, st_present)
+    assert got.instance_hits == {"prefill-%d" % i: brute(kv, inst_st[i]) for i, kv in enumerate(inst_kv)}
+
+
+def test_dead_instances_drop_out(redis_server: RedisServer) -> None:
+    index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8], heartbeat_ttl_s=0.3)
+    chain = HASHER.chain(list(range(40)))
+    index.publish_local("a", chain, chain)
+    index.publish_local("b", chain, chain)
+    index.heartbeat("a", InstanceLoad(1, 2, 3))
+    index.heartbeat("b", InstanceLoad())
+    assert set(index.lookup(chain, 40, UNIT, False).instance_hits) == {"a", "b"}
+    assert index.live_instances()["a"] == InstanceLoad(1, 2, 3)
+    time.sleep(0.4)
+    index.heartbeat("b", InstanceLoad())
+    assert index.lookup(chain, 40, UNIT, False).instance_hits == {"b": 36}
+    assert set(index.live_instances()) == {"b"}
+
+
+def test_stale_entry_is_repaired(redis_server: RedisServer, mooncake_master: MooncakeMaster) -> None:
+    eng = make_engine(export_checkpoints=True)
+    toks = prompt(300, 31)
+    eng.generate([req("w", toks, 1)])
+    ((kv, state),) = eng.pop_exports()
+    store = CheckpointStore(mooncake_master.address, mooncake_master.metadata_url, eng.model_id)
+    index = PrefixIndex(redis_server.url, eng.model_id + uuid.uuid4().hex[:6])
+    try:
+        store.put_checkpoint(kv, state, 16)
+        index.publish_store(kv.block_hashes, state.key, state.meta.position)  # after the put succeeded
+        chain = eng.hasher.chain(list(toks) + [7] * 40)
+        hit = index.lookup(chain, len(toks) + 40, 16, False).store_hit
+        assert hit == state.meta.position
+        assert fetch_checkpoint(index, store, chain[: hit // 16], 16) is not None
+        # the object disappears behind the index's back
+        store.remove([store.key("st", state.key)])
+        assert fetch_checkpoint(index, store, chain[: hit // 16], 16) is None
+        assert index.lookup(chain, len(toks) + 40, 16, False).store_hit == 0
+    finally:
+        store.remove([store.key("kv", h) for h in kv.block_hashes])
+        store.close()
+
+
+def test_outage_raises_typed_error_then_recovers(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path)
+    srv.start()
+    index = PrefixIndex(srv.url, "m-outage", timeout_s=0.3)
+    chain = HASHER.chain(list(range(40)))
+    index.publish_store(chain, chain[-1], 40)
+    assert index.lookup(chain, 41, UNIT, False).store_hit == 40
+    srv.stop()
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError):
+        index.lookup(chain, 41, UNIT, False)
+    assert time.monotonic() - t0 < 2.0  # within the configured timeout (plus slack), not hanging
+    with pytest.raises(UnavailableError):
+        index.heartbeat("a", InstanceLoad())
+    srv.start()  # same port; persistence is off, so the index is empty again
+    assert index.ping()
+    assert index.lookup(chain, 41, UNIT, False).store_hit == 0
+    index.publish_store(chain, chain[-1], 40)
+    assert index.lookup(chain, 41, UNIT, False).store_hit == 40
+    srv.stop()
+
+
+def test_auth(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path, password="s3cret")
+    srv.start()
+    try:
+        assert PrefixIndex(srv.url, "m").ping()
+        bad = PrefixIndex(srv.url.replace("s3cret", "wrong"), "m")
+        with pytest.raises(UnavailableError):
+            bad.ping()
+        with pytest.raises(UnavailableError):
+            PrefixIndex("redis://127.0.0.1:%d/0" % srv.port, "m").lookup([], 1, 4, False)
+    finally:
+        srv.stop()
