@@ -31,7 +31,7 @@ def _engine(**kw: object) -> NativeEngine:
         "enable_prefix_caching": False,
     }
     base.update(kw)
-    return NativeEngine(load_config(env={}, overrides=base))
+    return NativeEngine(load_config(overrides=base))  # HYBRIDPD_* env vars apply (e.g. HYBRIDPD_DEVICE=cuda)
 
 
 def _prompts(n: int, length: int, seed: int) -> list[tuple[int, ...]]:

@@ -83,24 +83,26 @@ def config_show(fmt: str, config_path: str | None, **flags: Any) -> None:
     default=None,
     help="Logs and data of started services (default: a new temp dir).",
 )
-@click.option("--exit-after-start", is_flag=True, help="Start, print the URLs, stop again (a smoke check).")
+@click.option("--exit-after-start", is_flag=True, help="Start everything, print the URLs, stop again (a smoke check).")
 @config_options
 def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **flags: Any) -> None:
-    """Start the local stack on its embedded defaults and print its URLs.
+    """Start the whole stack locally on its embedded defaults and print its URLs.
 
-    Starts Redis (prefix index), mooncake_master (checkpoint store) and a local
-    Ray head with its dashboard, or connects to the ones named by
-    --redis-url / --mooncake-master / --ray-address. Ctrl-C stops everything
-    it started.
+    Starts Redis (prefix index), mooncake_master (checkpoint store), a local
+    Ray head with its dashboard, the prefill and decode actors (native engine,
+    tiny model by default) and the router (OpenAI HTTP + gRPC), or connects to
+    the services named by --redis-url / --mooncake-master / --ray-address.
+    Ctrl-C stops everything it started.
     """
+    import asyncio
     import signal
     import tempfile
-    import threading
     from pathlib import Path
 
     from hybridpd.errors import HybridPDError
     from hybridpd.logging import setup_logging
     from hybridpd.stack import LocalStack
+    from services.router.server import RouterServer
 
     setup_logging()
     cfg = build_config(config_path, flags)
@@ -108,31 +110,50 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     stack = LocalStack(cfg, wd)
     try:
         urls = stack.start()
+        click.echo("starting %d prefill and %d decode actors..." % (cfg.num_prefill, cfg.num_decode))
+        stack.start_serving()
+        router = RouterServer(
+            stack.orchestrator(), cfg.model, cfg.host, cfg.http_port, cfg.grpc_port, stack.actor_stats
+        )
     except HybridPDError as exc:
+        stack.stop()
         click.echo("error: %s" % exc, err=True)
         sys.exit(1)
+    except BaseException:
+        stack.stop()
+        raise
+    actors = [*stack.prefill, *("decode-%d" % i for i in range(len(stack.decode)))]
     click.echo("hybridpd is up (logs in %s)" % wd)
+    click.echo("  OpenAI HTTP          http://%s:%d/v1" % (cfg.host, cfg.http_port))
+    click.echo("  gRPC                 %s:%d" % (cfg.host, cfg.grpc_port))
+    click.echo("  Metrics              http://%s:%d/metrics" % (cfg.host, cfg.http_port))
     click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
     click.echo("  Redis (prefix index) %s" % urls.redis_url)
     click.echo("  Mooncake master      %s" % urls.mooncake_master)
     click.echo("  Mooncake metadata    %s" % urls.mooncake_metadata_url)
     if urls.mooncake_metrics_url:
         click.echo("  Mooncake metrics     %s" % urls.mooncake_metrics_url)
-    click.echo(
-        "  Router (HTTP %s:%d, gRPC :%d) is not part of this build yet." % (cfg.host, cfg.http_port, cfg.grpc_port)
-    )
-    sys.stdout.flush()
-    if exit_after_start:
+    click.echo("  Actors               %s" % ", ".join(actors))
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if exit_after_start:
+            stop.set()
+        task = asyncio.create_task(router.serve(stop))
+        await asyncio.sleep(0.5)
+        if not exit_after_start:
+            click.echo("Press Ctrl-C to stop.")
+            sys.stdout.flush()
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        click.echo("stopping...")
         stack.stop()
-        return
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
-    click.echo("Press Ctrl-C to stop.")
-    sys.stdout.flush()
-    done.wait()
-    click.echo("stopping...")
-    stack.stop()
 
 
 def main() -> None:

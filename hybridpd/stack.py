@@ -18,6 +18,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.errors import UnavailableError
@@ -48,6 +49,9 @@ class LocalStack:
         self.redis: RedisServer | None = None
         self.master: MooncakeMaster | None = None
         self.ray_started = False
+        self.prefill: dict[str, Any] = {}
+        self.decode: list[Any] = []
+        self.model_id = ""
 
     def start(self) -> StackUrls:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -101,7 +105,63 @@ class LocalStack:
         dash = ctx.dashboard_url or ""
         self.urls.ray_dashboard_url = dash if dash.startswith("http") else ("http://" + dash if dash else "")
 
+    # -- serving: actors and the router ------------------------------------------------
+    def start_serving(self, timeout_s: float = 600.0) -> None:
+        """Start the prefill and decode actors (the model is built first, once)."""
+        import ray
+
+        from hybridpd.engine.native.tiny import resolve_model_dir
+        from services.actors import NAMESPACE, DecodeActor, PrefillActor
+
+        resolve_model_dir(self.cfg.model)  # build the tiny model here, not racing in every actor
+        # NOTE: glog level 2 keeps Mooncake's per-connection INFO/WARNING lines out of the actor logs
+        env = {"GLOG_minloglevel": "2", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+        opts = {"namespace": NAMESPACE, "num_cpus": 0, "max_concurrency": 256, "runtime_env": {"env_vars": env}}
+        self.prefill = {
+            "prefill-%d" % i: PrefillActor.options(name="prefill-%d" % i, **opts).remote(
+                self.cfg,
+                "prefill-%d" % i,
+                self.urls.redis_url,
+                self.urls.mooncake_master,
+                self.urls.mooncake_metadata_url,
+            )
+            for i in range(self.cfg.num_prefill)
+        }
+        self.decode = [
+            DecodeActor.options(name="decode-%d" % i, **opts).remote(self.cfg, "decode-%d" % i)
+            for i in range(self.cfg.num_decode)
+        ]
+        handles = [*self.prefill.values(), *self.decode]
+        ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+        self.model_id = ray.get(next(iter(self.prefill.values())).model_id.remote())
+
+    def orchestrator(self):
+        from hybridpd.engine.native.tiny import resolve_model_dir
+        from hybridpd.tokenizer import TextTokenizer
+        from services.router.metrics import RouterMetrics
+        from services.router.orchestrator import Orchestrator
+
+        index = PrefixIndex(self.urls.redis_url, self.model_id) if self.urls.redis_url else None
+        tok = TextTokenizer(resolve_model_dir(self.cfg.model))
+        return Orchestrator(self.cfg, tok, self.model_id, index, self.prefill, self.decode, RouterMetrics())
+
+    async def actor_stats(self) -> dict:
+        import asyncio
+
+        names = [*self.prefill, *("decode-%d" % i for i in range(len(self.decode)))]
+        refs = [h.stats.remote() for h in [*self.prefill.values(), *self.decode]]
+        got = await asyncio.gather(*refs)
+        return dict(zip(names, got, strict=True))
+
     def stop(self) -> None:
+        for h in [*getattr(self, "prefill", {}).values(), *getattr(self, "decode", [])]:
+            try:
+                import ray
+
+                ray.get(h.close.remote(), timeout=10)
+            except Exception:  # an actor that is already gone needs no closing
+                logger.debug("actor close failed", exc_info=True)
+        self.prefill, self.decode = {}, []
         if self.ray_started:
             import ray
 

@@ -100,11 +100,13 @@ class CheckpointStore:
 
     # -- checkpoints -----------------------------------------------------------------
     def put_checkpoint(self, kv: KVExport, state: StateCheckpoint, unit: int) -> PutResult:
-        """Store the KV blocks ``[0, p)`` missing from the store and state@p."""
+        """Store state@p and the KV blocks of ``kv`` (``[0, q)``, q >= p) missing
+        from the store. KV past ``p`` matters: an EAGLE hit drops the last
+        cached block, so a hit at ``p`` needs block ``[p, p + u)`` present."""
         t0 = time.perf_counter()
         pos = state.meta.position
-        if state.key is None or len(kv.block_hashes) != pos // unit or kv.meta.position != pos:
-            raise ValueError("checkpoint must carry the chain hashes of [0, %d)" % pos)
+        if state.key is None or len(kv.block_hashes) != kv.meta.position // unit or kv.meta.position < pos:
+            raise ValueError("checkpoint must carry KV and the chain hashes of at least [0, %d)" % pos)
         keys = [self.key("kv", h) for h in kv.block_hashes]
         present = self.exists(keys)
         items: list[tuple[str, str, int, Sequence[torch.Tensor]]] = []
@@ -116,27 +118,33 @@ class CheckpointStore:
         nbytes = self.put_objects(items)
         return PutResult(len(items), nbytes, time.perf_counter() - t0)
 
-    def get_checkpoint(self, block_hashes: Sequence[BlockHash], unit: int) -> tuple[KVExport, StateCheckpoint]:
-        """Load the checkpoint at ``len(block_hashes) * unit`` (verified)."""
-        pos = len(block_hashes) * unit
-        if not block_hashes:
-            raise ValueError("empty chain")
+    def get_checkpoint(
+        self, block_hashes: Sequence[BlockHash], unit: int, position: int | None = None
+    ) -> tuple[KVExport, StateCheckpoint]:
+        """Load (verified) the KV blocks of ``block_hashes`` and the state at
+        ``position`` (default: the end of those blocks; EAGLE callers load one
+        block past it, the replay block their hit rule drops)."""
+        kv_pos = len(block_hashes) * unit
+        pos = kv_pos if position is None else position
+        if not block_hashes or pos <= 0 or pos % unit or pos > kv_pos:
+            raise ValueError("bad checkpoint request: %d blocks, position %s" % (len(block_hashes), position))
         blocks = self.get_objects([self.key("kv", h) for h in block_hashes], "kv")
         for i, (hdr, _) in enumerate(blocks):
             if hdr.position != (i + 1) * unit:
                 raise IntegrityError("kv block %d holds position %d" % (i, hdr.position))
-        ((st_hdr, st_bufs),) = self.get_objects([self.key("st", block_hashes[-1])], "state")
+        state_hash = block_hashes[pos // unit - 1]
+        ((st_hdr, st_bufs),) = self.get_objects([self.key("st", state_hash)], "state")
         if st_hdr.position != pos:
             raise IntegrityError("state object holds position %d, expected %d" % (st_hdr.position, pos))
         n_bufs = len(blocks[0][1])
         kv_bufs = tuple(torch.cat([b[1][j] for b in blocks]) for j in range(n_bufs))
         kv_meta = BufferMeta(
-            self.model_id, "kv", pos, blocks[0][0].dtype, tuple(tuple(b.shape) for b in kv_bufs), "attention"
+            self.model_id, "kv", kv_pos, blocks[0][0].dtype, tuple(tuple(b.shape) for b in kv_bufs), "attention"
         )
         st_meta = BufferMeta(self.model_id, "state", pos, st_hdr.dtype, st_hdr.shapes, "delta")
         return (
             KVExport(kv_meta, kv_bufs, tuple(block_hashes)),
-            StateCheckpoint(st_meta, block_hashes[-1], tuple(st_bufs)),
+            StateCheckpoint(st_meta, state_hash, tuple(st_bufs)),
         )
 
     def close(self) -> None:

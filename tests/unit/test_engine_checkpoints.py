@@ -53,7 +53,7 @@ def test_rekey_u32_b32_n104_eagle() -> None:
     eng.generate([req("e", toks, 1)])
     ((kv, st),) = eng.pop_exports()
     chain = eng.hasher.chain(list(toks))
-    assert st.meta.position == 64 and kv.meta.position == 64
+    assert st.meta.position == 64 and kv.meta.position == 96  # every full prompt block
     assert st.key == chain[1]  # hash of [0, 64), not the slot's natural state@96
     assert eng.state_pool.lookup(chain[1]) is not None
     assert eng.state_pool.lookup(chain[2]) is None

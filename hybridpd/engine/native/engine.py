@@ -127,6 +127,7 @@ class NativeEngine:
         )
         self.export_checkpoints = export_checkpoints
         self.exports: list[tuple[KVExport, StateCheckpoint]] = []
+        self.pending_exports: dict[str, StateCheckpoint] = {}
         self.handoffs: dict[str, Handoff] = {}
         self.seqs: dict[str, Sequence] = {}
         self.tensors: dict[str, _SeqTensors] = {}
@@ -186,6 +187,7 @@ class NativeEngine:
         return bool(self.scheduler.waiting or self.scheduler.running or self.pending)
 
     def _finish(self, seq: Sequence) -> None:
+        self.pending_exports.pop(seq.rid, None)
         self.scheduler.finish(seq)
         self.seqs.pop(seq.rid, None)
         self.tensors.pop(seq.rid, None)
@@ -282,6 +284,7 @@ class NativeEngine:
         token = sampler.pick(last_logits[0], seq.request.sampling, t.gen)
         t.last_hidden = work.hidden[-1].clone()
         self._register_prompt_blocks(seq)
+        self._export_pending(seq)
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if seq.prefill_only:
@@ -360,10 +363,20 @@ class NativeEngine:
                 self.state_pool.cache(slot[0], key)
                 self.state_pool.free(slot)
         if self.export_checkpoints:
-            kv = exports.export_kv(
-                self.model_id, self.kv_caches, seq.block_ids, pos, seq.block_hashes[: pos // self.unit]
-            )
-            self.exports.append((kv, exports.export_state(self.model_id, states, pos, key)))
+            # KV is exported when the prompt completes (_export_pending): the
+            # store needs every full prompt block, including the replay block
+            # after ``pos`` that an EAGLE hit drops.
+            self.pending_exports[seq.rid] = exports.export_state(self.model_id, states, pos, key)
+
+    def _export_pending(self, seq: Sequence) -> None:
+        state = self.pending_exports.pop(seq.rid, None)
+        if state is None:
+            return
+        full = seq.num_prompt // self.unit * self.unit
+        kv = exports.export_kv(
+            self.model_id, self.kv_caches, seq.block_ids, full, seq.block_hashes[: full // self.unit]
+        )
+        self.exports.append((kv, state))
 
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
         out, self.exports = self.exports, []
@@ -422,14 +435,16 @@ class NativeEngine:
         position). Returns True if the KV blocks and the state are now cached
         (a later admission then hits them); False if the pools are full.
         """
-        pos = state.meta.position
-        kv_shapes, st_shapes = self._expected_shapes(pos)
+        pos, kv_pos = state.meta.position, kv.meta.position
+        kv_shapes, _ = self._expected_shapes(kv_pos)
+        _, st_shapes = self._expected_shapes(pos)
         exports.check_meta(kv.meta, self.model_id, "kv", kv_shapes)
         exports.check_meta(state.meta, self.model_id, "state", st_shapes)
-        if pos % self.unit or pos <= 0 or pos > len(token_ids):
-            raise IntegrityError("checkpoint position %d does not fit unit %d" % (pos, self.unit))
-        hashes = self.hasher.chain(token_ids[:pos], cache_salt=cache_salt)
-        if state.key != hashes[-1]:
+        if pos % self.unit or kv_pos % self.unit or not 0 < pos <= kv_pos <= len(token_ids):
+            raise IntegrityError("checkpoint at %d / KV to %d do not fit unit %d" % (pos, kv_pos, self.unit))
+        hashes = self.hasher.chain(token_ids[:kv_pos], cache_salt=cache_salt)
+        key = hashes[pos // self.unit - 1]
+        if state.key != key:
             raise IntegrityError("checkpoint key does not match the prompt's chain hash at %d" % pos)
         for i, h in enumerate(hashes):
             if self.kv_pool.lookup(h) is not None:
@@ -444,18 +459,35 @@ class NativeEngine:
                 AttentionLayer.write(v_cache, table, i * self.unit, kv.buffers[2 * li + 1][rows])
             self.kv_pool.cache(got[0], h)
             self.kv_pool.free(got)
-        if self.state_pool.lookup(hashes[-1]) is None:
+        if self.state_pool.lookup(key) is None:
             slot = self.state_pool.allocate(1)
             if slot is None:
                 return False
             for i, st in enumerate(exports.import_state(state, self.device)):
                 self.slot_conv[slot[0], i] = st.conv
                 self.slot_ssm[slot[0], i] = st.ssm
-            self.state_pool.cache(slot[0], hashes[-1])
+            self.state_pool.cache(slot[0], key)
             self.state_pool.free(slot)
         return True
 
     # -- introspection -------------------------------------------------------------
+    def local_hit(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+        """The hit an admission of this prompt would get now (no side effects)."""
+        probe = Sequence(
+            EngineRequest(RequestId("probe"), tuple(token_ids)),
+            list(token_ids),
+            len(token_ids),
+            self.hasher.chain(token_ids, cache_salt=cache_salt),
+        )
+        return self.scheduler.hit_length(probe)
+
+    def cached_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[list, list]:
+        """(KV block hashes, state hashes) of this prompt's chain held locally now."""
+        chain = self.hasher.chain(token_ids, cache_salt=cache_salt)
+        kv = [h for h in chain if self.kv_pool.lookup(h) is not None]
+        st = [h for h in chain if self.state_pool.lookup(h) is not None]
+        return kv, st
+
     def stats(self) -> PoolStats:
         return PoolStats(
             num_blocks=self.kv_pool.num_slots,

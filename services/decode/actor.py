@@ -1,0 +1,108 @@
+"""Decode actor: pulls a handoff over NIXL, decodes (EAGLE), streams tokens.
+
+``generate`` is a generator: the actor yields :class:`TokenChunk` objects as
+the engine produces them (a Ray streaming generator), the last one with
+``finished`` set. ``abort`` (or the caller dropping the stream) frees the
+request's blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+
+from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import DraftState, Handoff, KVExport, StateCheckpoint
+from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.errors import IntegrityError
+from hybridpd.transfer.nixl_handoff import HandoffClient
+from services.engine_loop import EngineLoop
+from services.messages import PrefillResult, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    def __init__(self, cfg: HybridPDConfig, name: str) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.engine = NativeEngine(cfg)
+        self.client = HandoffClient("%s-%d" % (name, int(time.time() * 1000) % 100000))
+        self.client_lock = threading.Lock()
+        self.loop = EngineLoop(self.engine)
+        self.stats_lock = threading.Lock()
+        self.counters = {"handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0, "checksum_failures": 0, "tokens": 0}
+
+    def _pull(self, prefill, request) -> Handoff:
+        desc = prefill.descriptor
+        t0 = time.perf_counter()
+        try:
+            with self.client_lock:
+                bufs = self.client.fetch(desc, device=self.cfg.device)
+        except IntegrityError:
+            with self.stats_lock:
+                self.counters["checksum_failures"] += 1
+            raise
+        with self.stats_lock:
+            self.counters["handoffs"] += 1
+            self.counters["handoff_bytes"] += desc.nbytes
+            self.counters["handoff_seconds"] += time.perf_counter() - t0
+        n_kv = len(prefill.kv_meta.shapes)
+        n_st = len(prefill.state_meta.shapes)
+        return Handoff(
+            request=request,
+            first_token_id=prefill.first_token_id,
+            num_cached_tokens=prefill.num_cached_tokens,
+            kv=KVExport(prefill.kv_meta, tuple(bufs[:n_kv])),
+            state=StateCheckpoint(prefill.state_meta, None, tuple(bufs[n_kv : n_kv + n_st])),
+            draft=DraftState(prefill.draft_meta, tuple(bufs[n_kv + n_st :])),
+        )
+
+    def generate(self, prefill: PrefillResult, request) -> Iterator[TokenChunk]:
+        """Continue ``request`` from its prefill; yields chunks until finished."""
+        handoff = self._pull(prefill, request)
+        q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(handoff))
+        try:
+            while True:
+                try:
+                    out = q.get(timeout=600)
+                except queue.Empty:
+                    raise TimeoutError("decode of %s stalled" % request.request_id) from None
+                if isinstance(out, BaseException):
+                    raise out
+                with self.stats_lock:
+                    self.counters["tokens"] += len(out.new_token_ids)
+                yield TokenChunk(
+                    out.new_token_ids, out.finished, None if out.finish_reason is None else str(out.finish_reason)
+                )
+                if out.finished:
+                    return
+        finally:
+            # a consumer that went away (client disconnect) ends up here too
+            self.loop.abort(request.request_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self.loop.abort(request_id)
+
+    def stats(self) -> dict:
+        with self.loop.lock:
+            pool = self.engine.stats()
+            spec = self.engine.spec
+            acc = spec.mean_acceptance_length
+        with self.stats_lock:
+            counters = dict(self.counters)
+        return {"name": self.name, "pool": asdict(pool), "eagle_mean_acceptance_length": acc, **counters}
+
+    def ready(self) -> str:
+        return self.name
+
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    def close(self) -> None:
+        self.loop.close()
+        self.client.close()

@@ -1,0 +1,86 @@
+"""One thread owns an engine and steps it; callers talk to it through queues.
+
+Engines are not thread-safe: every call into the engine happens under
+``EngineLoop.lock``, and only the loop thread calls ``step()``. A caller
+``submit``s a request and reads its :class:`RequestOutput` objects from the
+returned queue; the last one has ``finished`` set. Hooks run in the loop
+thread after each step (the prefill actor uses one to hand checkpoint exports
+to its publisher).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from hybridpd.engine.base import RequestOutput
+from hybridpd.engine.native.engine import NativeEngine
+
+logger = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: NativeEngine, after_step: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self.lock = threading.RLock()
+        self.queues: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        self.after_step = after_step
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, request_id: str, add: Callable[[], None]) -> queue.Queue[RequestOutput | BaseException]:
+        """Run ``add()`` (which adds ``request_id`` to the engine) and return its output queue."""
+        q: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+        with self.lock:
+            self.queues[request_id] = q
+            try:
+                add()
+            except BaseException:
+                self.queues.pop(request_id, None)
+                raise
+        self._wake.set()
+        return q
+
+    def abort(self, request_id: str) -> bool:
+        with self.lock:
+            found = self.engine.abort(request_id)
+        self._wake.set()
+        return found
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self.lock:
+                busy = self.engine.has_work()
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                with self.lock:
+                    outputs = self.engine.step()
+                    if self.after_step is not None:
+                        self.after_step()
+            except Exception as exc:  # a broken step fails its requests, never the loop
+                logger.exception("engine step failed")
+                with self.lock:
+                    for rid, q in list(self.queues.items()):
+                        q.put(exc)
+                        self.engine.abort(rid)
+                    self.queues.clear()
+                continue
+            for out in outputs:
+                target = self.queues.get(out.request_id)
+                if target is None:
+                    continue
+                target.put(out)
+                if out.finished:
+                    self.queues.pop(out.request_id, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(5)

@@ -1,0 +1,222 @@
+"""Prefill actor: loads a hit, computes the rest, exports checkpoints, hands off.
+
+Per request (``prefill``):
+
+1. if the index promised a longer hit in MooncakeStore than the local cache
+   has, load it (verified; a stale entry is repaired and we recompute);
+2. run the prompt through the engine (batched with concurrent requests);
+3. offer the KV + final state + EAGLE hidden to NIXL and return the
+   descriptor with the first token.
+
+Checkpoints the engine exported are put in the store by a publisher thread,
+then published in the index (never before the put succeeded), together with
+this instance's local cache entries. A heartbeat thread reports load. Redis or
+store failures degrade to local-only caching; they never fail a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict
+
+from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import KVExport, PoolStats, StateCheckpoint
+from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.errors import HybridPDError, UnavailableError
+from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.store.client import CheckpointStore
+from hybridpd.store.loader import fetch_checkpoint
+from hybridpd.transfer.nixl_handoff import HandoffServer
+from services.engine_loop import EngineLoop
+from services.messages import PrefillCommand, PrefillResult
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    """The actor's body (plain class, so tests can also run it in-process)."""
+
+    def __init__(
+        self,
+        cfg: HybridPDConfig,
+        name: str,
+        redis_url: str | None,
+        mooncake_master: str | None,
+        metadata_url: str | None,
+        handoff_timeout_s: float = 30.0,
+    ) -> None:
+        self.cfg = cfg
+        self.name = name
+        self.engine = NativeEngine(cfg, export_checkpoints=bool(mooncake_master))
+        self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url else None
+        self.store = (
+            CheckpointStore(mooncake_master, metadata_url, self.engine.model_id)
+            if mooncake_master and metadata_url
+            else None
+        )
+        self.handoffs = HandoffServer("%s-%s" % (name, int(time.time() * 1000) % 100000), timeout_s=handoff_timeout_s)
+        self.publish_q: queue.Queue[tuple[KVExport, StateCheckpoint]] = queue.Queue()
+        self.stats_lock = threading.Lock()
+        self.counters = {
+            "computed_tokens": 0,
+            "loaded_tokens": 0,
+            "store_loads": 0,
+            "store_load_failures": 0,
+            "checkpoints_exported": 0,
+            "checkpoint_bytes": 0,
+            "checkpoint_failures": 0,
+        }
+        self.loop = EngineLoop(self.engine, after_step=self._collect_exports)
+        self._stop = threading.Event()
+        threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    # -- requests ----------------------------------------------------------------------
+    def prefill(self, cmd: PrefillCommand) -> PrefillResult:
+        req = cmd.request
+        loaded = self._maybe_load(cmd)
+        q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=True))
+        out = q.get()
+        if isinstance(out, BaseException):
+            raise out
+        with self.loop.lock:
+            handoff = self.engine.handoffs.pop(req.request_id, None)
+        with self.stats_lock:
+            self.counters["computed_tokens"] += out.num_prompt_tokens - out.num_cached_tokens
+            self.counters["loaded_tokens"] += out.num_cached_tokens
+        self._publish_local(req)
+        result = PrefillResult(
+            request_id=req.request_id,
+            instance=self.name,
+            first_token_id=out.new_token_ids[0],
+            finish_reason=None if out.finish_reason is None else str(out.finish_reason),
+            num_prompt_tokens=out.num_prompt_tokens,
+            num_cached_tokens=out.num_cached_tokens,
+            loaded_from_store=loaded,
+        )
+        if handoff is None:
+            return result
+        desc = self.handoffs.offer(handoff.buffers(), req.request_id)
+        return PrefillResult(
+            **{
+                **_fields(result),
+                "descriptor": desc,
+                "kv_meta": handoff.kv.meta,
+                "state_meta": handoff.state.meta,
+                "draft_meta": handoff.draft.meta,
+            }
+        )
+
+    def _maybe_load(self, cmd: PrefillCommand) -> int:
+        """Import the store hit when it beats the local cache. Returns tokens loaded."""
+        req, u = cmd.request, self.engine.unit
+        if self.store is None or cmd.store_hit <= 0:
+            return 0
+        tokens = list(req.prompt_token_ids)
+        with self.loop.lock:
+            local = self.engine.local_hit(tokens, req.cache_salt)
+        if cmd.store_hit <= local:
+            return 0
+        # NOTE: under EAGLE our own hit rule drops the last cached block, so load the
+        # replay block after the hit too (the lookup promised it is in the store).
+        kv_end = min(cmd.store_hit + (u if self.cfg.eagle else 0), len(tokens) // u * u)
+        hashes = self.engine.hasher.chain(tokens[:kv_end], cache_salt=req.cache_salt)
+        try:
+            ck = fetch_checkpoint(self.index, self.store, hashes, u, cmd.store_hit)
+        except HybridPDError as exc:
+            logger.warning("store load failed (%s): recomputing", exc)
+            ck = None
+        if ck is None:
+            with self.stats_lock:
+                self.counters["store_load_failures"] += 1
+            return 0
+        with self.loop.lock:
+            ok = self.engine.import_checkpoint(ck[0], ck[1], tokens, req.cache_salt)
+        with self.stats_lock:
+            self.counters["store_loads"] += int(ok)
+        return cmd.store_hit if ok else 0
+
+    def abort(self, request_id: str) -> bool:
+        return self.loop.abort(request_id)
+
+    # -- publishing ----------------------------------------------------------------------
+    def _collect_exports(self) -> None:  # runs in the loop thread, under the engine lock
+        for item in self.engine.pop_exports():
+            self.publish_q.put(item)
+
+    def _publisher(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kv, st = self.publish_q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                assert self.store is not None
+                res = self.store.put_checkpoint(kv, st, self.engine.unit)
+                with self.stats_lock:
+                    self.counters["checkpoints_exported"] += 1
+                    self.counters["checkpoint_bytes"] += res.bytes_written
+                if self.index is not None:  # published only after the put succeeded
+                    self.index.publish_store(kv.block_hashes, st.key, st.meta.position)
+            except HybridPDError as exc:
+                with self.stats_lock:
+                    self.counters["checkpoint_failures"] += 1
+                logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
+
+    def _publish_local(self, req) -> None:
+        if self.index is None:
+            return
+        with self.loop.lock:
+            kv, st = self.engine.cached_hashes(list(req.prompt_token_ids), req.cache_salt)
+        try:
+            self.index.publish_local(self.name, kv, st)
+        except UnavailableError:
+            logger.debug("index unavailable: local entries not published")
+
+    def _heartbeat(self) -> None:
+        while not self._stop.is_set():
+            if self.index is not None:
+                try:
+                    self.index.heartbeat(self.name, self.load())
+                except UnavailableError:
+                    logger.debug("heartbeat failed: index unavailable")
+            self._stop.wait(1.0)
+
+    # -- introspection -------------------------------------------------------------------
+    def load(self) -> InstanceLoad:
+        with self.loop.lock:
+            st = self.engine.stats()
+            queued = sum(s.num_prompt - s.num_computed for s in self.engine.scheduler.waiting)
+        return InstanceLoad(queued_tokens=queued, running_requests=st.num_running, free_blocks=st.num_free_blocks)
+
+    def stats(self) -> dict:
+        with self.loop.lock:
+            pool: PoolStats = self.engine.stats()
+        with self.stats_lock:
+            counters = dict(self.counters)
+        return {
+            "name": self.name,
+            "pool": asdict(pool),
+            "handoffs_outstanding": self.handoffs.outstanding(),
+            **counters,
+        }
+
+    def ready(self) -> str:
+        return self.name
+
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+    def close(self) -> None:
+        self._stop.set()
+        self.loop.close()
+        self.handoffs.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def _fields(obj: object) -> dict:
+    return {k: getattr(obj, k) for k in obj.__dataclass_fields__}  # type: ignore[attr-defined]

@@ -1,0 +1,41 @@
+"""The router's Prometheus metrics (all ``hybridpd_`` prefixed), in one place."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# Buckets that fit LLM latencies: 5 ms .. 2 min.
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "hybridpd_requests", "Finished requests by API and status.", ["api", "status"], registry=r
+        )
+        self.ttft = Histogram("hybridpd_ttft_seconds", "Time to first token.", buckets=_LAT, registry=r)
+        self.itl = Histogram(
+            "hybridpd_inter_token_latency_seconds",
+            "Time between streamed chunks.",
+            buckets=sorted({*_FAST, 0.5, 1, 2.5}),
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "hybridpd_e2e_latency_seconds", "Request latency, arrival to last token.", buckets=_LAT, registry=r
+        )
+        self.queue_time = Histogram(
+            "hybridpd_queue_seconds",
+            "Arrival until dispatch to prefill.",
+            buckets=sorted({*_FAST, *_LAT}),
+            registry=r,
+        )
+        self.routing = Counter("hybridpd_routing_decisions", "Routing decisions by kind.", ["decision"], registry=r)
+        self.prompt_tokens = Counter("hybridpd_prompt_tokens", "Prompt tokens received.", registry=r)
+        self.cached_tokens = Counter("hybridpd_cached_tokens", "Prompt tokens restored from a cache.", registry=r)
+        self.completion_tokens = Counter("hybridpd_completion_tokens", "Tokens generated.", registry=r)
+        self.index_lookup = Histogram(
+            "hybridpd_index_lookup_seconds", "Prefix index lookup (one round trip).", buckets=_FAST, registry=r
+        )

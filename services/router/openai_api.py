@@ -1,0 +1,198 @@
+"""OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions,
+/v1/models, /health, /metrics, and /v1/hybridpd/stats (actor pool accounting).
+
+Errors are JSON ``{"error": {"message", "type", "code"}}`` with the status from
+``hybridpd.errors.http_status``; body validation errors are 400. Every
+response carries ``X-Request-Id`` (the client's, if it sent one).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.errors import HybridPDError, InvalidRequestError, NotFoundError, OverloadedError, http_status
+from hybridpd.tokenizer import ChatMessage
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from services.router.orchestrator import Event, Orchestrator
+
+MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
+
+
+def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaitable[dict]]) -> FastAPI:
+    app = FastAPI(title="hybridpd", version="1", summary="OpenAI-compatible serving for hybrid LLMs")
+
+    @app.middleware("http")
+    async def request_id_and_limits(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            resp: Response = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
+        else:
+            resp = await call_next(request)
+        resp.headers["X-Request-Id"] = rid
+        return resp
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msgs = [
+            "%s: %s" % (".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg")) for e in exc.errors()
+        ]
+        return _error(400, "; ".join(msgs), "invalid_request_error")
+
+    @app.exception_handler(HybridPDError)
+    async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
+        status = int(http_status(exc))
+        headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
+        return _error(status, str(exc), type(exc).__name__, headers)
+
+    def engine_request(body: _Common, tokens: list[int], rid: str, default_max: int) -> EngineRequest:
+        if body.model != served_model:
+            raise NotFoundError("model %r is not served here (serving %r)" % (body.model, served_model))
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(default_max, orch.cfg.max_model_len - len(tokens)))
+        sp = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            top_k=body.top_k,
+            seed=body.seed,
+            stop_token_ids=orch.tokenizer.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+        )
+        return EngineRequest(RequestId(rid), tuple(tokens), sp, body.cache_salt)
+
+    async def run(body: _Common, req: EngineRequest, api: str, kind: str) -> Response:
+        created = int(time.time())
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        oid = prefix + req.request_id
+        events = orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list())
+        if body.stream:
+            first = await anext(events)  # errors before the first token become a proper HTTP status
+            return StreamingResponse(_sse(first, events, oid, created, body, kind), media_type="text/event-stream")
+        ids: list[int] = []
+        text = []
+        last: Event | None = None
+        async for ev in events:
+            ids.extend(ev.token_ids)
+            text.append(ev.text)
+            last = ev
+        assert last is not None and last.usage is not None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        if body.return_token_ids:
+            choice["token_ids"] = ids
+        return JSONResponse(
+            {
+                "id": oid,
+                "object": "chat.completion" if kind == "chat" else "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": [choice],
+                "usage": _usage(last),
+            }
+        )
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        tokens = list(body.prompt) if isinstance(body.prompt, list) else orch.tokenizer.encode(body.prompt)
+        if not tokens:
+            raise InvalidRequestError("prompt tokenizes to nothing")
+        req = engine_request(body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS)
+        return await run(body, req, "completions", "text")
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        tokens = orch.tokenizer.apply_chat_template([ChatMessage(m.role, m.content) for m in body.messages])
+        req = engine_request(body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS)
+        return await run(body, req, "chat", "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": served_model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "hybridpd",
+                    "max_model_len": orch.cfg.max_model_len,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/hybridpd/stats")
+    async def actor_stats() -> dict:
+        return await stats()
+
+    return app
+
+
+def _usage(ev: Event) -> dict:
+    u = ev.usage
+    assert u is not None
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+async def _sse(
+    first: Event, rest: AsyncIterator[Event], oid: str, created: int, body: _Common, kind: str
+) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+
+    def chunk(ev: Event, role: bool) -> bytes:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
+        if kind == "chat":
+            choice["delta"] = ({"role": "assistant"} if role else {}) | {"content": ev.text}
+        else:
+            choice["text"] = ev.text
+        if body.return_token_ids:
+            choice["token_ids"] = list(ev.token_ids)
+        data: dict[str, Any] = {"id": oid, "object": obj, "created": created, "model": body.model, "choices": [choice]}
+        return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+    last = first
+    yield chunk(first, True)
+    try:
+        async for ev in rest:
+            last = ev
+            yield chunk(ev, False)
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]  # a disconnect lands here: the actors are aborted
+    if body.include_usage and last.usage is not None:
+        data = {"id": oid, "object": obj, "created": created, "model": body.model, "choices": [], "usage": _usage(last)}
+        yield b"data: " + json.dumps(data).encode() + b"\n\n"
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,221 @@
+"""The one request flow behind both public APIs.
+
+    tokens -> hash chain -> ONE index lookup -> route (routing.py)
+           -> prefill actor (loads the hit, computes, exports, offers NIXL)
+           -> decode actor (pulls over NIXL, decodes with EAGLE, streams)
+
+``stream()`` is an async generator of :class:`Event`; when the consumer stops
+early (client disconnect, stop string, cancel), the ``finally`` aborts the work
+on the actors so their blocks are freed. Index failures degrade routing to
+load-only; they never fail a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import EngineRequest
+from hybridpd.errors import InvalidRequestError, NotFoundError, OverloadedError, UnavailableError
+from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
+from services.messages import PrefillCommand, PrefillResult, TokenChunk
+from services.router.metrics import RouterMetrics
+from services.router.routing import RouteDecision, choose
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        cfg: HybridPDConfig,
+        tokenizer: TextTokenizer,
+        model_id: str,
+        index: PrefixIndex | None,
+        prefill: dict[str, Any],
+        decode: list[Any],
+        metrics: RouterMetrics,
+        max_inflight: int = 256,
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        self.model_id = model_id
+        self.index = index
+        self.prefill = prefill
+        self.decode = decode
+        self.metrics = metrics
+        self.max_inflight = max_inflight
+        self.inflight = 0
+        self.queued: dict[str, int] = dict.fromkeys(prefill, 0)
+        self.running: dict[str, tuple[Any, Any]] = {}
+        self._rr = itertools.count()
+
+    def validate(self, req: EngineRequest) -> None:
+        p = req.prompt_token_ids
+        if not p:
+            raise InvalidRequestError("prompt must not be empty")
+        if min(p) < 0 or max(p) >= self.tokenizer.vocab_size:
+            raise InvalidRequestError("token ids must lie in [0, %d)" % self.tokenizer.vocab_size)
+        if req.sampling.max_tokens < 1:
+            raise InvalidRequestError("max_tokens must be >= 1")
+        if len(p) + req.sampling.max_tokens > self.cfg.max_model_len:
+            raise InvalidRequestError(
+                "prompt (%d tokens) + max_tokens (%d) exceeds the model's context of %d tokens"
+                % (len(p), req.sampling.max_tokens, self.cfg.max_model_len)
+            )
+
+    async def _route(self, req: EngineRequest, force: str | None) -> RouteDecision:
+        n = len(req.prompt_token_ids)
+        names = sorted(self.prefill)
+        if force is not None:
+            if force not in self.prefill:
+                raise NotFoundError("no prefill instance %r (have %s)" % (force, ", ".join(names)))
+        store_hit, local, index_ok = 0, {}, self.index is not None
+        if self.index is not None and self.cfg.enable_prefix_caching:
+            hashes = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
+            t0 = time.perf_counter()
+            try:
+                res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
+                store_hit, local = res.store_hit, dict(res.instance_hits)
+            except UnavailableError as exc:
+                index_ok = False
+                logger.warning("prefix index unavailable, routing on load only: %s", exc)
+            self.metrics.index_lookup.observe(time.perf_counter() - t0)
+        if force is not None:
+            lh = local.get(force, 0)
+            return RouteDecision(force, max(lh, store_hit), store_hit, lh, "forced")
+        return choose(n, names, local, store_hit, self.queued, index_ok)
+
+    def _pick_decode(self) -> Any:
+        return self.decode[next(self._rr) % len(self.decode)]
+
+    async def stream(
+        self, req: EngineRequest, api: str, force_instance: str | None = None, stop: tuple[str, ...] = ()
+    ) -> AsyncIterator[Event]:
+        self.validate(req)
+        if self.inflight >= self.max_inflight:
+            raise OverloadedError("too many requests in flight (%d)" % self.inflight, retry_after_s=1.0)
+        t_arrive = time.perf_counter()
+        self.inflight += 1
+        rid = req.request_id
+        status = "error"
+        decision: RouteDecision | None = None
+        prefill_actor = decode_actor = None
+        finished = False
+        n = len(req.prompt_token_ids)
+        try:
+            decision = await self._route(req, force_instance)
+            self.metrics.routing.labels(decision.kind).inc()
+            prefill_actor = self.prefill[decision.instance]
+            self.running[rid] = (prefill_actor, None)
+            self.queued[decision.instance] += n
+            self.metrics.queue_time.observe(time.perf_counter() - t_arrive)
+            try:
+                cmd = PrefillCommand(req, decision.store_hit if decision.store_hit > decision.local_hit else 0)
+                pr: PrefillResult = await prefill_actor.prefill.remote(cmd)
+            finally:
+                self.queued[decision.instance] -= n
+            now = time.perf_counter()
+            self.metrics.ttft.observe(now - t_arrive)
+            last = now
+            detok = IncrementalDetokenizer(self.tokenizer)
+            count = 1
+            text = detok.push([pr.first_token_id])
+            self.metrics.prompt_tokens.inc(n)
+            self.metrics.cached_tokens.inc(pr.num_cached_tokens)
+
+            def usage() -> Usage:
+                return Usage(n, pr.num_cached_tokens, count)
+
+            hit_stop = _find_stop(detok.emitted, stop)
+            if hit_stop is not None or pr.finish_reason is not None or pr.descriptor is None:
+                finished = True
+                status = "ok"
+                reason = "stop" if hit_stop is not None else (pr.finish_reason or "length")
+                yield Event((pr.first_token_id,), _trim(text, detok, hit_stop), True, reason, usage())
+                return
+            yield Event((pr.first_token_id,), text)
+            decode_actor = self._pick_decode()
+            self.running[rid] = (prefill_actor, decode_actor)
+            gen = decode_actor.generate.options(num_returns="streaming").remote(pr, req)
+            async for ref in gen:
+                chunk: TokenChunk = await ref
+                count += len(chunk.token_ids)
+                now = time.perf_counter()
+                self.metrics.itl.observe(now - last)
+                last = now
+                delta = detok.push(chunk.token_ids)
+                hit_stop = _find_stop(detok.emitted, stop)
+                if hit_stop is not None:
+                    finished = True
+                    status = "ok"
+                    yield Event(chunk.token_ids, _trim(delta, detok, hit_stop), True, "stop", usage())
+                    return
+                if chunk.finished:
+                    finished = True
+                    status = "ok"
+                    yield Event(chunk.token_ids, delta, True, chunk.finish_reason, usage())
+                    return
+                yield Event(chunk.token_ids, delta)
+            raise UnavailableError("decode stream of %s ended without finishing" % rid)
+        finally:
+            self.inflight -= 1
+            self.running.pop(rid, None)
+            if not finished:
+                # client gone, stop string, cancel or failure: free the work on both sides
+                status = "cancelled" if status != "error" else status
+                for actor in (prefill_actor, decode_actor):
+                    if actor is not None:
+                        actor.abort.remote(rid)
+            self.metrics.requests.labels(api, status).inc()
+            self.metrics.e2e.observe(time.perf_counter() - t_arrive)
+            if finished:
+                self.metrics.completion_tokens.inc(count)
+
+    def abort(self, request_id: str) -> bool:
+        actors = self.running.get(request_id)
+        if actors is None:
+            return False
+        for actor in actors:
+            if actor is not None:
+                actor.abort.remote(request_id)
+        return True
+
+
+def _find_stop(text: str, stop: tuple[str, ...]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _trim(delta: str, detok: IncrementalDetokenizer, stop_at: int | None) -> str:
+    """The part of ``delta`` before the stop string (``stop_at`` indexes the full text)."""
+    if stop_at is None:
+        return delta
+    before = len(detok.emitted) - len(delta)
+    return delta[: max(stop_at - before, 0)]

@@ -1,0 +1,206 @@
+"""The serving system through its public interfaces (openai client, grpcio).
+
+The stack runs with EAGLE on; the reference is the native engine run
+monolithically in this process with EAGLE off: equal greedy tokens show P/D,
+caching, NIXL transfer and EAGLE change nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from openai import BadRequestError, NotFoundError, OpenAI
+
+from hybridpd.checkpoints import checkpoint_position, longest_usable_hit
+from hybridpd.config import load_config
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.native.tiny import resolve_model_dir
+from hybridpd.tokenizer import ChatMessage, TextTokenizer
+from hybridpd.v1 import generate_pb2 as pb
+from hybridpd.v1 import generate_pb2_grpc as pb_grpc
+from tests.e2e.conftest import Stack
+from tests.unit.engine_helpers import prompt
+
+U = 16
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference():  # type: ignore[no-untyped-def]
+    engine = NativeEngine(load_config(env={}, overrides={"enable_prefix_caching": False}))
+    tok = TextTokenizer(resolve_model_dir("tiny"))
+
+    def run(tokens: list[int], max_tokens: int) -> list[int]:
+        sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=tok.stop_token_ids)
+        rid = "ref-%d" % time.monotonic_ns()
+        return engine.generate([EngineRequest(RequestId(rid), tuple(tokens), sp)])[rid]
+
+    return run, tok
+
+
+def _complete(client: OpenAI, tokens: list[int], max_tokens: int = 8, **extra: object):  # type: ignore[no-untyped-def]
+    return client.completions.create(
+        model="tiny",
+        prompt=tokens,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_body={"return_token_ids": True, **extra},
+    )
+
+
+def _wait_all_free(stack: Stack, timeout_s: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = stack.stats()
+        pools = [s["pool"] for s in stats.values()]
+        if all(p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0 for p in pools):
+            return stats
+        if time.monotonic() > deadline:
+            raise AssertionError("blocks not freed: %s" % stats)
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("n", [1, 40, 300, 1200])
+def test_completion_equals_monolithic_engine(client: OpenAI, reference, n: int) -> None:  # type: ignore[no-untyped-def]
+    run, tok = reference
+    tokens = list(prompt(n, 100 + n))
+    want = run(tokens, 8)
+    got = _complete(client, tokens)
+    assert got.choices[0].token_ids == want  # type: ignore[attr-defined]
+    assert got.choices[0].text == tok.decode(want)
+    assert got.usage.prompt_tokens == n and got.usage.completion_tokens == len(want)
+    stream = client.completions.create(
+        model="tiny", prompt=tokens, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == tok.decode(want)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want)
+
+
+def test_chat_equals_monolithic_engine(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    run, tok = reference
+    msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
+    want = run(tok.apply_chat_template([ChatMessage(m["role"], m["content"]) for m in msgs]), 12)
+    got = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    assert got.choices[0].message.content == tok.decode(want)
+    parts = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=12,
+        temperature=0,  # type: ignore[arg-type]
+        stream=True,
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in parts) == tok.decode(want)
+
+
+def test_extension_cached_tokens_local_and_via_store(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    run, _ = reference
+    first = list(prompt(300, 7))
+    _complete(client, first, hybridpd_prefill_instance="prefill-0")
+    # the checkpoint rule (EAGLE on in this stack) says where the state was exported
+    pos = checkpoint_position(len(first), U, True)
+    ext = first + list(prompt(45, 8))
+    promised = longest_usable_hit(len(ext), U, len(first) // U, {pos}, True)
+    assert promised == pos > 0
+    time.sleep(1.0)  # the checkpoint is put in the store and published asynchronously
+    same = _complete(client, ext, hybridpd_prefill_instance="prefill-0")
+    assert same.usage.prompt_tokens_details.cached_tokens == promised
+    other = _complete(client, ext, hybridpd_prefill_instance="prefill-1")
+    assert other.usage.prompt_tokens_details.cached_tokens == promised  # loaded from MooncakeStore
+    want = run(ext, 8)
+    assert same.choices[0].token_ids == want and other.choices[0].token_ids == want  # type: ignore[attr-defined]
+    stats = stack_stats = None
+    del stats, stack_stats
+
+
+def test_cache_salt_isolates_tenants(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+    run, _ = reference
+    base = list(prompt(260, 11))
+    _complete(client, base, cache_salt="tenant-a")
+    time.sleep(1.0)
+    ext = base + list(prompt(20, 12))
+    other = _complete(client, ext, cache_salt="tenant-b")
+    same = _complete(client, ext, cache_salt="tenant-a")
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert same.usage.prompt_tokens_details.cached_tokens > 0
+    want = run(ext, 8)
+    assert other.choices[0].token_ids == want and same.choices[0].token_ids == want  # type: ignore[attr-defined]
+
+
+def test_client_disconnect_frees_blocks(stack: Stack) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": list(prompt(200, 13)),
+        "max_tokens": 3000,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", stack.http + "/v1/completions", json=body, timeout=60) as resp:
+        assert resp.status_code == 200
+        seen = 0
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                seen += 1
+            if seen >= 3:
+                break
+    stats = _wait_all_free(stack)
+    assert all(s["pool"]["num_running"] == 0 for s in stats.values())
+
+
+def test_bad_input_is_4xx(client: OpenAI, stack: Stack) -> None:
+    with pytest.raises(BadRequestError, match="token ids"):
+        client.completions.create(model="tiny", prompt=[5, 999999], max_tokens=2)
+    with pytest.raises(BadRequestError, match="n=1"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
+    with pytest.raises(BadRequestError, match="context"):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=10**6)
+    with pytest.raises(NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    r = httpx.post(stack.http + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    r = httpx.post(
+        stack.http + "/v1/completions", json={"model": "tiny", "prompt": "x"}, headers={"x-request-id": "abc"}
+    )
+    assert r.headers["x-request-id"] == "abc"
+    assert httpx.get(stack.http + "/health").status_code == 200
+    metrics = httpx.get(stack.http + "/metrics").text
+    for name in ("hybridpd_ttft_seconds_bucket", "hybridpd_routing_decisions_total", "hybridpd_cached_tokens_total"):
+        assert name in metrics
+
+
+def test_grpc_generate_abort_health(stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    run, _ = reference
+    channel = grpc.insecure_channel(stack.grpc)
+    stub = pb_grpc.GenerationStub(channel)
+    tokens = list(prompt(120, 17))
+    msgs = list(
+        stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokens), sampling=pb.SamplingParams(max_tokens=8)))
+    )
+    assert [t for m in msgs for t in m.token_ids] == run(tokens, 8)
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].usage.prompt_tokens == 120
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(text="")))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert not stub.Abort(pb.AbortRequest(request_id="nope")).found
+    health = health_pb2_grpc.HealthStub(channel)
+    assert health.Check(health_pb2.HealthCheckRequest(service="hybridpd.v1.Generation")).status == 1
+    # cancelling a stream frees the work
+    call = stub.Generate(
+        pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=tokens), sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True)
+        )
+    )
+    next(call)
+    call.cancel()
+    _wait_all_free(stack)
