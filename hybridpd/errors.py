@@ -48,6 +48,10 @@ class UnavailableError(HybridPDError):
     """A dependency (Redis, store, actor) cannot be reached right now."""
 
 
+class DeadlineError(HybridPDError):
+    """The request did not finish within its deadline."""
+
+
 class IntegrityError(HybridPDError):
     """Bytes failed verification (checksum or header mismatch); never use them."""
 
@@ -59,6 +63,7 @@ _HTTP: list[tuple[type[BaseException], HTTPStatus]] = [
     (NotFoundError, HTTPStatus.NOT_FOUND),
     (UnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
     (IntegrityError, HTTPStatus.INTERNAL_SERVER_ERROR),
+    (DeadlineError, HTTPStatus.GATEWAY_TIMEOUT),
 ]
 
 _GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
@@ -68,6 +73,7 @@ _GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
 ]
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
-from hybridpd.errors import InvalidRequestError, NotFoundError, OverloadedError, UnavailableError
+from hybridpd.errors import DeadlineError, InvalidRequestError, NotFoundError, OverloadedError, UnavailableError
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -59,7 +59,6 @@ class Orchestrator:
         prefill: dict[str, Any],
         decode: list[Any],
         metrics: RouterMetrics,
-        max_inflight: int = 256,
     ) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
@@ -69,7 +68,7 @@ class Orchestrator:
         self.prefill = prefill
         self.decode = decode
         self.metrics = metrics
-        self.max_inflight = max_inflight
+        self.max_inflight = cfg.max_inflight_requests
         self.inflight = 0
         self.queued: dict[str, int] = dict.fromkeys(prefill, 0)
         self.running: dict[str, tuple[Any, Any]] = {}
@@ -111,6 +110,14 @@ class Orchestrator:
             return RouteDecision(force, max(lh, store_hit), store_hit, lh, "forced")
         return choose(n, names, local, store_hit, self.queued, index_ok)
 
+    async def _within(self, awaitable: Any, t_arrive: float) -> Any:
+        """Await ``awaitable`` within what is left of the request's deadline."""
+        left = self.cfg.request_timeout_s - (time.perf_counter() - t_arrive)
+        try:
+            return await asyncio.wait_for(awaitable, timeout=max(left, 0.001))
+        except TimeoutError:
+            raise DeadlineError("request exceeded its %.0fs deadline" % self.cfg.request_timeout_s) from None
+
     def _pick_decode(self) -> Any:
         return self.decode[next(self._rr) % len(self.decode)]
 
@@ -137,7 +144,7 @@ class Orchestrator:
             self.metrics.queue_time.observe(time.perf_counter() - t_arrive)
             try:
                 cmd = PrefillCommand(req, decision.store_hit if decision.store_hit > decision.local_hit else 0)
-                pr: PrefillResult = await prefill_actor.prefill.remote(cmd)
+                pr: PrefillResult = await self._within(prefill_actor.prefill.remote(cmd), t_arrive)
             finally:
                 self.queued[decision.instance] -= n
             now = time.perf_counter()
@@ -163,8 +170,16 @@ class Orchestrator:
             decode_actor = self._pick_decode()
             self.running[rid] = (prefill_actor, decode_actor)
             gen = decode_actor.generate.options(num_returns="streaming").remote(pr, req)
+            logger.info(
+                "request %s: %d prompt tokens, %d cached (%s on %s)",
+                rid,
+                n,
+                pr.num_cached_tokens,
+                decision.kind,
+                decision.instance,
+            )
             async for ref in gen:
-                chunk: TokenChunk = await ref
+                chunk: TokenChunk = await self._within(ref, t_arrive)
                 count += len(chunk.token_ids)
                 now = time.perf_counter()
                 self.metrics.itl.observe(now - last)

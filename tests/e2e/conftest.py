@@ -47,6 +47,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                 "--dashboard-port",
                 str(dash),
                 "--eagle",
+                "--max-inflight-requests",
+                "4",
             ],
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -118,8 +118,6 @@ def test_extension_cached_tokens_local_and_via_store(client: OpenAI, reference) 
     assert other.usage.prompt_tokens_details.cached_tokens == promised  # loaded from MooncakeStore
     want = run(ext, 8)
     assert same.choices[0].token_ids == want and other.choices[0].token_ids == want  # type: ignore[attr-defined]
-    stats = stack_stats = None
-    del stats, stack_stats
 
 
 def test_cache_salt_isolates_tenants(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
@@ -203,4 +201,28 @@ def test_grpc_generate_abort_health(stack: Stack, reference) -> None:  # type: i
     )
     next(call)
     call.cancel()
+    _wait_all_free(stack)
+
+
+def test_full_queue_is_429_with_retry_after(stack: Stack) -> None:
+    """The stack admits 4 requests at a time (--max-inflight-requests 4)."""
+    import concurrent.futures
+
+    def one(i: int) -> tuple[int, str | None]:
+        body = {
+            "model": "tiny",
+            "prompt": list(prompt(64, 200 + i)),
+            "max_tokens": 300,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        r = httpx.post(stack.http + "/v1/completions", json=body, timeout=120)
+        return r.status_code, r.headers.get("retry-after")
+
+    with concurrent.futures.ThreadPoolExecutor(10) as ex:
+        results = list(ex.map(one, range(10)))
+    codes = [c for c, _ in results]
+    assert codes.count(429) >= 1 and codes.count(200) >= 4, codes
+    assert all(ra is not None and int(ra) >= 1 for c, ra in results if c == 429)
+    assert set(codes) <= {200, 429}
     _wait_all_free(stack)
