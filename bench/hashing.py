@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import write_report
+from hybridpd.benchmarks.report import write_report
 from hybridpd.hashing import BlockHasher, HashAlgo
 
 

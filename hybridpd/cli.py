@@ -128,6 +128,8 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     click.echo("  gRPC                 %s:%d" % (cfg.host, cfg.grpc_port))
     click.echo("  Metrics              http://%s:%d/metrics" % (cfg.host, cfg.http_port))
     click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
+    if urls.ray_metrics_url:
+        click.echo("  Ray metrics (actors) %s" % urls.ray_metrics_url)
     click.echo("  Redis (prefix index) %s" % urls.redis_url)
     click.echo("  Mooncake master      %s" % urls.mooncake_master)
     click.echo("  Mooncake metadata    %s" % urls.mooncake_metadata_url)
@@ -154,6 +156,67 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     finally:
         click.echo("stopping...")
         stack.stop()
+
+
+@cli.group()
+def bench() -> None:
+    """Benchmarks (JSON + PNG; growing-streams also a markdown table)."""
+
+
+@bench.command("growing-streams")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default="bench/results/growing_streams.json",
+    show_default=True,
+)
+@click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+@click.option("--url", default=None, help="Run against a running stack instead of starting one per variant.")
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    help="Run only these variants (partial, aligned, nocache, roundrobin, partial_eagle, aligned_eagle).",
+)
+def bench_growing_streams(json_path: str, quick: bool, url: str | None, variants: tuple[str, ...]) -> None:
+    """Long prompts growing every round, in several caching/routing variants."""
+    from pathlib import Path
+
+    from hybridpd.benchmarks import growing_streams
+
+    out = growing_streams.run(Path(json_path), quick, url, list(variants) or None)
+    click.echo(Path(json_path).with_suffix(".md").read_text())
+    click.echo("checks: %s" % out["checks"])
+    click.echo("wrote %s (+ .png, .md)" % json_path)
+
+
+@bench.command("router")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/router.json", show_default=True
+)
+def bench_router(json_path: str) -> None:
+    """Router decision latency for 16K and 164K-token prompts at unit 128."""
+    from pathlib import Path
+
+    from hybridpd.benchmarks import router
+
+    out = router.run(Path(json_path))
+    for name, r in out["results"].items():
+        click.echo("%s: p50 %.2f ms, p99 %.2f ms (%d blocks)" % (name, r["p50_ms"], r["p99_ms"], r["blocks"]))
+    click.echo("wrote %s" % json_path)
+
+
+@bench.command("eagle")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/engine.json", show_default=True
+)
+@click.option("--quick", is_flag=True)
+def bench_eagle(json_path: str, quick: bool) -> None:
+    """Decode tokens/s with and without EAGLE, and the mean acceptance length."""
+    from hybridpd.benchmarks import engine
+
+    engine.main(["--json", json_path] + (["--quick"] if quick else []))
 
 
 def main() -> None:

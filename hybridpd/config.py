@@ -63,6 +63,12 @@ class HybridPDConfig(BaseModel):
     http_port: int = Field(8000, ge=1, le=65535, description="OpenAI-compatible HTTP port.")
     grpc_port: int = Field(50051, ge=1, le=65535, description="gRPC port.")
     dashboard_port: int = Field(8265, ge=1, le=65535, description="Ray dashboard port (local stack).")
+    routing: Literal["cache_aware", "round_robin"] = Field(
+        "cache_aware", description="cache_aware: cost over hits and load; round_robin: ignore the index."
+    )
+    ray_metrics_port: int = Field(
+        8090, ge=1, le=65535, description="Port of Ray's Prometheus endpoint (actor metrics), local stack."
+    )
     max_inflight_requests: int = Field(256, ge=1, le=100000, description="Router admits this many; then 429.")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="Deadline of one request (504 after).")
 

@@ -38,6 +38,7 @@ class StackUrls:
     mooncake_metrics_url: str = ""
     ray_address: str = ""
     ray_dashboard_url: str = ""
+    ray_metrics_url: str = ""
     extra: dict[str, str] = field(default_factory=dict)
 
 
@@ -98,12 +99,15 @@ class LocalStack:
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
                 dashboard_port=self.cfg.dashboard_port,
+                _metrics_export_port=self.cfg.ray_metrics_port,
                 logging_level=logging.WARNING,
             )
             self.ray_started = True
         self.urls.ray_address = getattr(ctx, "address_info", {}).get("gcs_address", "")
         dash = ctx.dashboard_url or ""
         self.urls.ray_dashboard_url = dash if dash.startswith("http") else ("http://" + dash if dash else "")
+        if self.ray_started:
+            self.urls.ray_metrics_url = "http://127.0.0.1:%d/metrics" % self.cfg.ray_metrics_port
 
     # -- serving: actors and the router ------------------------------------------------
     def start_serving(self, timeout_s: float = 600.0) -> None:

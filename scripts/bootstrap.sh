@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
-APT_PKGS=(libibverbs1 libnl-3-200 libnl-route-3-200)
+# Mooncake needs the RDMA libs; prometheus brings promtool + a server for the observability tests.
+APT_PKGS=(libibverbs1 libnl-3-200 libnl-route-3-200 prometheus)
 
 log() { printf '[bootstrap] %s\n' "$*"; }
 

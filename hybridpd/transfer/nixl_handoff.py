@@ -93,6 +93,8 @@ class HandoffServer:
         self.lock = threading.RLock()
         self.released = 0
         self.expired = 0
+        #: offer-to-release seconds of recently released handoffs (drained by metrics)
+        self.release_latencies: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, args=(poll_s,), name="nixl-handoff", daemon=True)
         self._thread.start()
@@ -116,15 +118,17 @@ class HandoffServer:
         with self.lock:
             return len(self.offers)
 
-    def _free(self, hid: str, scrub: bool) -> None:
+    def _free(self, hid: str, scrub: bool) -> float | None:
+        """Free one offer; returns when it was offered (None if unknown)."""
         with self.lock:
             offer = self.offers.pop(hid, None)
             if offer is None:
-                return
+                return None
             if scrub:
                 for t in offer.tensors:
                     t.zero_()
             self.agent.deregister_memory(offer.reg)
+        return offer.expires_at - self.timeout_s
 
     def _loop(self, poll_s: float) -> None:
         while not self._stop.is_set():
@@ -134,8 +138,11 @@ class HandoffServer:
                 for _agent_name, msgs in notifs.items():
                     for msg in msgs:
                         if msg.startswith(b"release:"):
-                            self._free(msg[8:].decode(), scrub=False)
-                            self.released += 1
+                            offered = self._free(msg[8:].decode(), scrub=False)
+                            if offered is not None:
+                                self.released += 1
+                                if len(self.release_latencies) < 10_000:
+                                    self.release_latencies.append(time.time() - offered)
                 now = time.time()
                 with self.lock:
                     late = [h for h, o in self.offers.items() if o.expires_at <= now]

@@ -20,8 +20,10 @@ from hybridpd.engine.base import DraftState, Handoff, KVExport, StateCheckpoint
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.errors import IntegrityError
 from hybridpd.transfer.nixl_handoff import HandoffClient
+from services.actor_metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
 from services.engine_loop import EngineLoop
 from services.messages import PrefillResult, TokenChunk
+from services.prefill.actor import _metrics
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,16 @@ class DecodeWorker:
         self.client_lock = threading.Lock()
         self.loop = EngineLoop(self.engine)
         self.stats_lock = threading.Lock()
-        self.counters = {"handoffs": 0, "handoff_bytes": 0, "handoff_seconds": 0.0, "checksum_failures": 0, "tokens": 0}
+        self.counters: dict[str, float] = {
+            "handoffs": 0,
+            "nixl_read_bytes": 0,
+            "checksum_failures": 0,
+            "decode_tokens": 0,
+        }
+        self._stop = threading.Event()
+        self.metrics = _metrics(name, DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS)
+        if self.metrics is not None:
+            self.metrics.run(self._metric_snapshot, self._stop)
 
     def _pull(self, prefill, request) -> Handoff:
         desc = prefill.descriptor
@@ -49,8 +60,9 @@ class DecodeWorker:
             raise
         with self.stats_lock:
             self.counters["handoffs"] += 1
-            self.counters["handoff_bytes"] += desc.nbytes
-            self.counters["handoff_seconds"] += time.perf_counter() - t0
+            self.counters["nixl_read_bytes"] += desc.nbytes
+        if self.metrics is not None:
+            self.metrics.observe("nixl_read_seconds", time.perf_counter() - t0)
         n_kv = len(prefill.kv_meta.shapes)
         n_st = len(prefill.state_meta.shapes)
         return Handoff(
@@ -75,7 +87,7 @@ class DecodeWorker:
                 if isinstance(out, BaseException):
                     raise out
                 with self.stats_lock:
-                    self.counters["tokens"] += len(out.new_token_ids)
+                    self.counters["decode_tokens"] += len(out.new_token_ids)
                 yield TokenChunk(
                     out.new_token_ids, out.finished, None if out.finish_reason is None else str(out.finish_reason)
                 )
@@ -87,6 +99,19 @@ class DecodeWorker:
 
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)
+
+    def _metric_snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+        with self.loop.lock:
+            pool = self.engine.stats()
+            spec = self.engine.spec
+            steps, emitted, recent = spec.steps, spec.emitted, spec.drain()
+        if self.metrics is not None:
+            for n in recent:
+                self.metrics.observe("eagle_acceptance_length", n)
+        with self.stats_lock:
+            counters = dict(self.counters)
+        counters.update(eagle_steps=steps, eagle_emitted_tokens=emitted)
+        return counters, {"decode_running_requests": pool.num_running, "free_kv_blocks": pool.num_free_blocks}
 
     def stats(self) -> dict:
         with self.loop.lock:
@@ -104,5 +129,6 @@ class DecodeWorker:
         return self.engine.model_id
 
     def close(self) -> None:
+        self._stop.set()
         self.loop.close()
         self.client.close()

@@ -30,6 +30,7 @@ from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
 from hybridpd.transfer.nixl_handoff import HandoffServer
+from services.actor_metrics import PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS, ActorMetrics
 from services.engine_loop import EngineLoop
 from services.messages import PrefillCommand, PrefillResult
 
@@ -60,22 +61,43 @@ class PrefillWorker:
         self.handoffs = HandoffServer("%s-%s" % (name, int(time.time() * 1000) % 100000), timeout_s=handoff_timeout_s)
         self.publish_q: queue.Queue[tuple[KVExport, StateCheckpoint]] = queue.Queue()
         self.stats_lock = threading.Lock()
-        self.counters = {
-            "computed_tokens": 0,
-            "loaded_tokens": 0,
-            "store_loads": 0,
-            "store_load_failures": 0,
-            "checkpoints_exported": 0,
-            "checkpoint_bytes": 0,
-            "checkpoint_failures": 0,
-        }
+        self.counters = dict.fromkeys(PREFILL_COUNTERS, 0)
         self.loop = EngineLoop(self.engine, after_step=self._collect_exports)
         self._stop = threading.Event()
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        self.metrics = _metrics(name, PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS)
+        if self.metrics is not None:
+            self.metrics.run(self._metric_snapshot, self._stop)
 
     # -- requests ----------------------------------------------------------------------
     def prefill(self, cmd: PrefillCommand) -> PrefillResult:
+        t0 = time.perf_counter()
+        try:
+            return self._prefill(cmd)
+        finally:
+            self._observe("prefill_seconds", time.perf_counter() - t0)
+
+    def _observe(self, name: str, value: float) -> None:
+        if self.metrics is not None:
+            self.metrics.observe(name, value)
+
+    def _metric_snapshot(self) -> tuple[dict[str, float], dict[str, float]]:
+        with self.stats_lock:
+            counters: dict[str, float] = dict(self.counters)
+        counters["handoffs_expired"] = self.handoffs.expired
+        latencies, self.handoffs.release_latencies = self.handoffs.release_latencies, []
+        for s in latencies:
+            self._observe("handoff_seconds", s)
+        load = self.load()
+        gauges: dict[str, float] = {
+            "prefill_queued_tokens": load.queued_tokens,
+            "prefill_running_requests": load.running_requests,
+            "free_kv_blocks": load.free_blocks,
+        }
+        return counters, gauges
+
+    def _prefill(self, cmd: PrefillCommand) -> PrefillResult:
         req = cmd.request
         loaded = self._maybe_load(cmd)
         q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=True))
@@ -85,8 +107,8 @@ class PrefillWorker:
         with self.loop.lock:
             handoff = self.engine.handoffs.pop(req.request_id, None)
         with self.stats_lock:
-            self.counters["computed_tokens"] += out.num_prompt_tokens - out.num_cached_tokens
-            self.counters["loaded_tokens"] += out.num_cached_tokens
+            self.counters["prefill_computed_tokens"] += out.num_prompt_tokens - out.num_cached_tokens
+            self.counters["prefill_loaded_tokens"] += out.num_cached_tokens
         self._publish_local(req)
         result = PrefillResult(
             request_id=req.request_id,
@@ -100,6 +122,8 @@ class PrefillWorker:
         if handoff is None:
             return result
         desc = self.handoffs.offer(handoff.buffers(), req.request_id)
+        with self.stats_lock:
+            self.counters["handoff_offered_bytes"] += desc.nbytes
         return PrefillResult(
             **{
                 **_fields(result),
@@ -124,19 +148,26 @@ class PrefillWorker:
         # replay block after the hit too (the lookup promised it is in the store).
         kv_end = min(cmd.store_hit + (u if self.cfg.eagle else 0), len(tokens) // u * u)
         hashes = self.engine.hasher.chain(tokens[:kv_end], cache_salt=req.cache_salt)
+        t0 = time.perf_counter()
         try:
             ck = fetch_checkpoint(self.index, self.store, hashes, u, cmd.store_hit)
+            self._observe("store_get_seconds", time.perf_counter() - t0)
         except HybridPDError as exc:
             logger.warning("store load failed (%s): recomputing", exc)
             ck = None
+        if ck is not None:
+            with self.stats_lock:
+                self.counters["store_get_bytes"] += sum(
+                    b.numel() * b.element_size() for b in ck[0].buffers + ck[1].buffers
+                )
         if ck is None:
             with self.stats_lock:
-                self.counters["store_load_failures"] += 1
+                self.counters["prefill_store_load_failures"] += 1
             return 0
         with self.loop.lock:
             ok = self.engine.import_checkpoint(ck[0], ck[1], tokens, req.cache_salt)
         with self.stats_lock:
-            self.counters["store_loads"] += int(ok)
+            self.counters["prefill_store_loads"] += int(ok)
         return cmd.store_hit if ok else 0
 
     def abort(self, request_id: str) -> bool:
@@ -157,13 +188,14 @@ class PrefillWorker:
                 assert self.store is not None
                 res = self.store.put_checkpoint(kv, st, self.engine.unit)
                 with self.stats_lock:
-                    self.counters["checkpoints_exported"] += 1
-                    self.counters["checkpoint_bytes"] += res.bytes_written
+                    self.counters["checkpoint_exports"] += 1
+                    self.counters["checkpoint_export_bytes"] += res.bytes_written
+                self._observe("store_put_seconds", res.seconds)
                 if self.index is not None:  # published only after the put succeeded
                     self.index.publish_store(kv.block_hashes, st.key, st.meta.position)
             except HybridPDError as exc:
                 with self.stats_lock:
-                    self.counters["checkpoint_failures"] += 1
+                    self.counters["checkpoint_export_failures"] += 1
                 logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
 
     def _publish_local(self, req) -> None:
@@ -220,3 +252,12 @@ class PrefillWorker:
 
 def _fields(obj: object) -> dict:
     return {k: getattr(obj, k) for k in obj.__dataclass_fields__}  # type: ignore[attr-defined]
+
+
+def _metrics(name: str, counters: dict, gauges: dict, histograms: dict) -> ActorMetrics | None:
+    """Ray metrics when running in Ray; None elsewhere (plain in-process use)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    return ActorMetrics(name, counters, gauges, histograms)

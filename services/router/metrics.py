@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Buckets that fit LLM latencies: 5 ms .. 2 min.
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -36,6 +36,12 @@ class RouterMetrics:
         self.prompt_tokens = Counter("hybridpd_prompt_tokens", "Prompt tokens received.", registry=r)
         self.cached_tokens = Counter("hybridpd_cached_tokens", "Prompt tokens restored from a cache.", registry=r)
         self.completion_tokens = Counter("hybridpd_completion_tokens", "Tokens generated.", registry=r)
+        self.live_prefill = Gauge(
+            "hybridpd_live_prefill_instances", "Prefill instances with a live heartbeat (last lookup).", registry=r
+        )
+        self.configured_prefill = Gauge(
+            "hybridpd_configured_prefill_instances", "Prefill instances the router was started with.", registry=r
+        )
         self.index_lookup = Histogram(
             "hybridpd_index_lookup_seconds", "Prefix index lookup (one round trip).", buckets=_FAST, registry=r
         )

@@ -71,8 +71,11 @@ class Orchestrator:
         self.max_inflight = cfg.max_inflight_requests
         self.inflight = 0
         self.queued: dict[str, int] = dict.fromkeys(prefill, 0)
+        metrics.configured_prefill.set(len(prefill))
+        metrics.live_prefill.set(len(prefill))
         self.running: dict[str, tuple[Any, Any]] = {}
         self._rr = itertools.count()
+        self._rr_prefill = itertools.count()
 
     def validate(self, req: EngineRequest) -> None:
         p = req.prompt_token_ids
@@ -94,6 +97,9 @@ class Orchestrator:
         if force is not None:
             if force not in self.prefill:
                 raise NotFoundError("no prefill instance %r (have %s)" % (force, ", ".join(names)))
+        if self.cfg.routing == "round_robin" and force is None:
+            name = names[next(self._rr_prefill) % len(names)]
+            return RouteDecision(name, 0, 0, 0, "round_robin")
         store_hit, local, index_ok = 0, {}, self.index is not None
         if self.index is not None and self.cfg.enable_prefix_caching:
             hashes = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
@@ -101,6 +107,7 @@ class Orchestrator:
             try:
                 res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
                 store_hit, local = res.store_hit, dict(res.instance_hits)
+                self.metrics.live_prefill.set(len(local))
             except UnavailableError as exc:
                 index_ok = False
                 logger.warning("prefix index unavailable, routing on load only: %s", exc)

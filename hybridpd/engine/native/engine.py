@@ -62,7 +62,12 @@ class _SeqTensors:
 class SpecStats:
     steps: int = 0
     emitted: int = 0
-    extra: dict[str, int] = field(default_factory=dict)
+    #: tokens emitted by each verification step since the last drain (metrics)
+    recent: list[int] = field(default_factory=list)
+
+    def drain(self) -> list[int]:
+        out, self.recent = self.recent, []
+        return out
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -308,6 +313,8 @@ class NativeEngine:
         if d:
             self.spec.steps += 1
             self.spec.emitted += len(emitted)
+            if len(self.spec.recent) < 100_000:
+                self.spec.recent.append(len(emitted))
         m = len(emitted) - 1  # drafts accepted; the target computed pending + m drafts
         out: list[int] = []
         reason = None

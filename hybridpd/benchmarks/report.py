@@ -45,3 +45,24 @@ def write_report(path: Path, data: dict[str, Any], bars: dict[str, float], ylabe
     fig.tight_layout()
     fig.savefig(path.with_suffix(".png"), dpi=100)
     plt.close(fig)
+
+
+def plot_bars(path: Path, panels: dict[str, dict[str, float]], title: str) -> None:
+    """One bar chart per panel, side by side, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4))
+    axes = axes if len(panels) > 1 else [axes]
+    for ax, (name, bars) in zip(axes, panels.items(), strict=True):
+        ax.bar(list(bars), list(bars.values()), color="#4c72b0")
+        ax.set_title(name, fontsize=10)
+        ax.tick_params(axis="x", rotation=30, labelsize=8)
+        for i, v in enumerate(bars.values()):
+            ax.annotate("%.3g" % v, (i, v), ha="center", va="bottom", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""Benchmarks behind `hybridpd bench ...` (results: JSON + PNG + markdown)."""

@@ -1,0 +1,205 @@
+"""The growing-streams workload: long prompts that grow every round.
+
+S streams; stream s sends token-id prompts of length L0, L0 + D, ... up to
+L1 to ``/v1/completions`` (streaming, greedy), one request per stream per
+round, with a barrier after each round. Each prompt extends the previous one
+by D tokens never seen before, so the ideal recompute per incremental request
+is D. Variants (each on a fresh ``hybridpd up``, same workload):
+
+* ``partial``: partial prefix caching at unit u (the default);
+* ``aligned``: checkpoints only at Mamba-block boundaries (u = B);
+* ``nocache``: prefix caching off;
+* ``roundrobin``: partial, but routing ignores the index;
+* ``partial_eagle`` / ``aligned_eagle``: the first two with EAGLE on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from hybridpd.stack_process import StackProcess
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    streams: int = 8
+    start: int = 6000
+    step: int = 200
+    end: int = 8200
+    max_tokens: int = 4
+    unit: int = 16
+    mamba_block_size: int = 64
+    seed: int = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return list(range(self.start, self.end + 1, self.step))
+
+
+QUICK = Workload(streams=4, start=2000, step=200, end=2800, max_tokens=2)
+
+
+def variants(w: Workload) -> dict[str, list[str]]:
+    u, b = str(w.unit), str(w.mamba_block_size)
+    common = ["--mamba-block-size", b, "--max-model-len", str(max(16384, w.end + 64))]
+    return {
+        "partial": ["--prefix-match-unit", u, *common],
+        "aligned": ["--prefix-match-unit", b, *common],
+        "nocache": ["--prefix-match-unit", u, "--no-enable-prefix-caching", *common],
+        "roundrobin": ["--prefix-match-unit", u, "--routing", "round_robin", *common],
+        "partial_eagle": ["--prefix-match-unit", u, "--eagle", *common],
+        "aligned_eagle": ["--prefix-match-unit", b, "--eagle", *common],
+    }
+
+
+def _one(url: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+    body = {
+        "model": "tiny",
+        "prompt": tokens,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            data = json.loads(line[6:])
+            if data.get("usage"):
+                usage = data["usage"]
+    assert usage is not None and ttft is not None
+    return {
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+        "completion_tokens": usage["completion_tokens"],
+        "ttft_s": ttft,
+        "latency_s": time.perf_counter() - t0,
+    }
+
+
+def run_workload(url: str, w: Workload, label: str) -> dict[str, Any]:
+    rng = random.Random(w.seed)
+    streams = [[rng.randrange(5, 2048) for _ in range(w.end)] for _ in range(w.streams)]
+    rounds: list[list[dict[str, Any]]] = []
+    inc_wall = 0.0
+    with concurrent.futures.ThreadPoolExecutor(w.streams) as pool:
+        for r, n in enumerate(tqdm(w.lengths, desc="%s rounds" % label, unit="round")):
+            t0 = time.perf_counter()
+            prompts = [s[:n] for s in streams]
+            rounds.append(list(pool.map(lambda p: _one(url, p, w.max_tokens), prompts)))  # barrier
+            if r > 0:
+                inc_wall += time.perf_counter() - t0
+    inc = [x for rnd in rounds[1:] for x in rnd]
+    cached = statistics.fmean(x["cached_tokens"] for x in inc)
+    recomputed = statistics.fmean(x["prompt_tokens"] - x["cached_tokens"] for x in inc)
+    ttfts = sorted(x["ttft_s"] * 1e3 for x in inc)
+    tokens = sum(x["prompt_tokens"] + x["completion_tokens"] for x in inc)
+    return {
+        "incremental_requests": len(inc),
+        "cached_tokens_per_request": cached,
+        "recomputed_tokens_per_request": recomputed,
+        "ideal_tokens_per_request": float(w.step),
+        "recompute_over_ideal": recomputed / w.step,
+        "ttft_p50_ms": statistics.median(ttfts),
+        "ttft_p90_ms": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
+        "throughput_tokens_per_s": tokens / inc_wall if inc_wall else 0.0,
+        "cold_ttft_p50_ms": statistics.median(x["ttft_s"] * 1e3 for x in rounds[0]),
+    }
+
+
+def _ratios(v: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
+    def div(a: float, b: float) -> float:
+        return a / b if b else float("nan")
+
+    return {
+        "recomputed_tokens": div(v["recomputed_tokens_per_request"], base["recomputed_tokens_per_request"]),
+        "cached_tokens": div(v["cached_tokens_per_request"], base["cached_tokens_per_request"]),
+        "ttft_p50": div(v["ttft_p50_ms"], base["ttft_p50_ms"]),
+        "throughput": div(v["throughput_tokens_per_s"], base["throughput_tokens_per_s"]),
+    }
+
+
+def run(json_path: Path, quick: bool, url: str | None = None, only: list[str] | None = None) -> dict[str, Any]:
+    w = QUICK if quick else Workload()
+    results: dict[str, Any] = {}
+    if url is not None:
+        results["external"] = run_workload(url, w, "external")
+    else:
+        for name, args in variants(w).items():
+            if only and name not in only:
+                continue
+            with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp, StackProcess(Path(tmp), args) as st:
+                results[name] = run_workload(st.http, w, name)
+    for name, v in results.items():
+        for base in ("nocache", "aligned"):
+            if base in results and name != base:
+                v["vs_" + base] = _ratios(v, results[base])
+    checks = {}
+    if "partial" in results:
+        checks["partial_recompute_over_ideal_max"] = 1.1
+        checks["partial_ok"] = results["partial"]["recompute_over_ideal"] <= 1.1
+    if "partial_eagle" in results:
+        bound = (w.step + 2 * w.unit) / w.step
+        checks["partial_eagle_recompute_over_ideal_max"] = bound
+        checks["partial_eagle_ok"] = results["partial_eagle"]["recompute_over_ideal"] <= bound
+    if "partial" in results and "aligned" in results:
+        checks["partial_caches_more_than_aligned"] = (
+            results["partial"]["cached_tokens_per_request"] > results["aligned"]["cached_tokens_per_request"]
+        )
+    out = {"workload": asdict(w), "quick": quick, "variants": results, "checks": checks}
+    _write(json_path, out)
+    return out
+
+
+def _write(path: Path, out: dict[str, Any]) -> None:
+    from hybridpd.benchmarks.report import machine_info, plot_bars
+
+    out["machine"] = machine_info()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    v = out["variants"]
+    plot_bars(
+        path.with_suffix(".png"),
+        {
+            "recomputed tokens / incremental request": {k: x["recomputed_tokens_per_request"] for k, x in v.items()},
+            "TTFT p50 (ms)": {k: x["ttft_p50_ms"] for k, x in v.items()},
+        },
+        "growing streams: %s" % json.dumps(out["workload"]),
+    )
+    rows = [
+        "| variant | cached / req | recomputed / req | ideal | TTFT p50 ms | TTFT p90 ms | tokens/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, x in v.items():
+        rows.append(
+            "| %s | %.1f | %.1f | %.0f | %.1f | %.1f | %.0f |"
+            % (
+                k,
+                x["cached_tokens_per_request"],
+                x["recomputed_tokens_per_request"],
+                x["ideal_tokens_per_request"],
+                x["ttft_p50_ms"],
+                x["ttft_p90_ms"],
+                x["throughput_tokens_per_s"],
+            )
+        )
+    path.with_suffix(".md").write_text("\n".join(rows) + "\n")

@@ -1,0 +1,87 @@
+"""Run ``hybridpd up`` as a child process (benchmarks and end-to-end tests).
+
+The child is driven only through its public interfaces: its printed banner,
+HTTP, gRPC and SIGINT. ``extra_args`` are ``hybridpd up`` flags.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from hybridpd.errors import UnavailableError
+from hybridpd.procs import free_port
+
+
+class StackProcess:
+    def __init__(self, workdir: Path, extra_args: list[str] | None = None, start_timeout_s: float = 300.0) -> None:
+        self.workdir = workdir
+        self.http_port, self.grpc_port, self.dashboard_port = free_port(), free_port(), free_port()
+        self.ray_metrics_port = free_port()
+        self.extra_args = extra_args or []
+        self.start_timeout_s = start_timeout_s
+        self.log = workdir / "up.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def http(self) -> str:
+        return "http://127.0.0.1:%d" % self.http_port
+
+    @property
+    def ray_metrics(self) -> str:
+        return "http://127.0.0.1:%d/metrics" % self.ray_metrics_port
+
+    @property
+    def grpc(self) -> str:
+        return "127.0.0.1:%d" % self.grpc_port
+
+    def start(self) -> StackProcess:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        exe = Path(sys.executable).parent / "hybridpd"
+        argv = [
+            str(exe),
+            "up",
+            "--workdir",
+            str(self.workdir),
+            "--http-port",
+            str(self.http_port),
+            "--grpc-port",
+            str(self.grpc_port),
+            "--dashboard-port",
+            str(self.dashboard_port),
+            "--ray-metrics-port",
+            str(self.ray_metrics_port),
+            *self.extra_args,
+        ]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        while "Press Ctrl-C" not in self.log.read_text(errors="replace"):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = self.log.read_text(errors="replace")[-4000:]
+                self.stop()
+                raise UnavailableError("hybridpd up did not start:\n" + tail)
+            time.sleep(0.5)
+        return self
+
+    def stop(self) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def __enter__(self) -> StackProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

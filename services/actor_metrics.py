@@ -1,0 +1,128 @@
+"""Actor metrics through ``ray.util.metrics`` (so they show in the Ray
+dashboard and on Ray's Prometheus endpoint, where Ray prefixes them with
+``ray_``: ``hybridpd_prefill_computed_tokens`` is scraped as
+``ray_hybridpd_prefill_computed_tokens_total``).
+
+Workers keep plain counters (cheap, lock-protected); a publisher thread turns
+their growth into Ray counter increments and refreshes gauges once a second.
+Latency histograms are observed where the work happens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+# Buckets (seconds) that fit store, NIXL and prefill latencies.
+LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+ACCEPTANCE_BUCKETS = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
+
+
+class ActorMetrics:
+    """Counters named ``hybridpd_<name>`` with an ``instance`` tag."""
+
+    def __init__(
+        self,
+        instance: str,
+        counters: dict[str, str],
+        gauges: dict[str, str],
+        histograms: dict[str, tuple[str, list[float]]],
+    ) -> None:
+        from ray.util import metrics as m
+
+        self.instance = instance
+        tags = ("instance",)
+        self.counters = {k: m.Counter("hybridpd_" + k, description=d, tag_keys=tags) for k, d in counters.items()}
+        self.gauges = {k: m.Gauge("hybridpd_" + k, description=d, tag_keys=tags) for k, d in gauges.items()}
+        self.histograms = {
+            k: m.Histogram("hybridpd_" + k, description=d, boundaries=b, tag_keys=tags)
+            for k, (d, b) in histograms.items()
+        }
+        self._last: dict[str, float] = {}
+        self._tags = {"instance": instance}
+        # NOTE: Ray's Counter.inc refuses 0, so a counter that never moved (checksum
+        # failures, say) would be missing from scrapes, and dashboards and alerts
+        # would see "no data" instead of 0. Record a zero delta once through the
+        # metric's record path; if a Ray version lacks it, the series appears at
+        # its first increment instead.
+        for metric in self.counters.values():
+            try:
+                metric._record(0.0, tags=self._tags)
+            except Exception:
+                logger.debug("zero-initialising %s failed", metric, exc_info=True)
+
+    def observe(self, name: str, value: float) -> None:
+        self.histograms[name].observe(value, tags=self._tags)
+
+    def publish(self, counters: dict[str, float], gauges: dict[str, float]) -> None:
+        for k, v in counters.items():
+            metric = self.counters.get(k)
+            if metric is None:
+                continue
+            delta = v - self._last.get(k, 0.0)
+            if delta > 0:
+                metric.inc(delta, tags=self._tags)
+            self._last[k] = v
+        for k, v in gauges.items():
+            if k in self.gauges:
+                self.gauges[k].set(v, tags=self._tags)
+
+    def run(
+        self,
+        snapshot: Callable[[], tuple[dict[str, float], dict[str, float]]],
+        stop: threading.Event,
+        every_s: float = 1.0,
+    ) -> threading.Thread:
+        def loop() -> None:
+            while not stop.wait(every_s):
+                try:
+                    self.publish(*snapshot())
+                except Exception:  # metrics must never take an actor down
+                    logger.debug("metrics publish failed", exc_info=True)
+
+        t = threading.Thread(target=loop, name="metrics", daemon=True)
+        t.start()
+        return t
+
+
+PREFILL_COUNTERS = {
+    "prefill_computed_tokens": "Prompt tokens computed by prefill.",
+    "prefill_loaded_tokens": "Prompt tokens restored from a cache (local or store).",
+    "prefill_store_loads": "Checkpoints loaded from MooncakeStore.",
+    "prefill_store_load_failures": "Store loads that failed (stale or corrupt): recomputed.",
+    "checkpoint_exports": "Checkpoints put in the store and published.",
+    "checkpoint_export_bytes": "Bytes of checkpoints put in the store.",
+    "checkpoint_export_failures": "Checkpoints that could not be stored or published.",
+    "handoff_offered_bytes": "Bytes offered to decode over NIXL.",
+    "handoffs_expired": "Handoffs freed by timeout (decode never read them).",
+    "store_get_bytes": "Bytes of checkpoints loaded from MooncakeStore.",
+}
+PREFILL_GAUGES = {
+    "prefill_queued_tokens": "Prompt tokens waiting in this instance.",
+    "prefill_running_requests": "Requests prefilling in this instance.",
+    "free_kv_blocks": "Free KV blocks in this instance's pool.",
+}
+PREFILL_HISTOGRAMS = {
+    "store_put_seconds": ("Time to put one checkpoint in MooncakeStore.", LATENCY_BUCKETS),
+    "store_get_seconds": ("Time to load one checkpoint from MooncakeStore.", LATENCY_BUCKETS),
+    "prefill_seconds": ("Time to prefill one request (queue included).", LATENCY_BUCKETS),
+    "handoff_seconds": ("Time from offering a handoff to decode releasing it.", LATENCY_BUCKETS),
+}
+DECODE_COUNTERS = {
+    "decode_tokens": "Tokens generated by decode.",
+    "eagle_steps": "EAGLE verification steps.",
+    "eagle_emitted_tokens": "Tokens emitted by EAGLE verification steps.",
+    "nixl_read_bytes": "Bytes read from prefill over NIXL.",
+    "checksum_failures": "Handoffs whose checksum failed (never used).",
+}
+DECODE_GAUGES = {
+    "decode_running_requests": "Requests decoding in this instance.",
+    "free_kv_blocks": "Free KV blocks in this instance's pool.",
+}
+DECODE_HISTOGRAMS = {
+    "nixl_read_seconds": ("Time to read and verify one handoff over NIXL.", LATENCY_BUCKETS),
+    "eagle_acceptance_length": ("Tokens emitted per EAGLE step (mean over a request).", ACCEPTANCE_BUCKETS),
+}
