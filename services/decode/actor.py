@@ -23,12 +23,12 @@ from hybridpd.transfer.nixl_handoff import HandoffClient
 from services.actor_metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
 from services.engine_loop import EngineLoop
 from services.messages import PrefillResult, TokenChunk
-from services.prefill.actor import _metrics
+from services.worker_base import WorkerBase, ray_metrics
 
 logger = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     def __init__(self, cfg: HybridPDConfig, name: str) -> None:
         self.cfg = cfg
         self.name = name
@@ -44,7 +44,7 @@ class DecodeWorker:
             "decode_tokens": 0,
         }
         self._stop = threading.Event()
-        self.metrics = _metrics(name, DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS)
+        self.metrics = ray_metrics(name, DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS)
         if self.metrics is not None:
             self.metrics.run(self._metric_snapshot, self._stop)
 
@@ -121,12 +121,6 @@ class DecodeWorker:
         with self.stats_lock:
             counters = dict(self.counters)
         return {"name": self.name, "pool": asdict(pool), "eagle_mean_acceptance_length": acc, **counters}
-
-    def ready(self) -> str:
-        return self.name
-
-    def model_id(self) -> str:
-        return self.engine.model_id
 
     def close(self) -> None:
         self._stop.set()

@@ -30,14 +30,15 @@ from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
 from hybridpd.transfer.nixl_handoff import HandoffServer
-from services.actor_metrics import PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS, ActorMetrics
+from services.actor_metrics import PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS
 from services.engine_loop import EngineLoop
 from services.messages import PrefillCommand, PrefillResult
+from services.worker_base import WorkerBase, ray_metrics
 
 logger = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     """The actor's body (plain class, so tests can also run it in-process)."""
 
     def __init__(
@@ -66,7 +67,7 @@ class PrefillWorker:
         self._stop = threading.Event()
         threading.Thread(target=self._publisher, name="publisher", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
-        self.metrics = _metrics(name, PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS)
+        self.metrics = ray_metrics(name, PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS)
         if self.metrics is not None:
             self.metrics.run(self._metric_snapshot, self._stop)
 
@@ -236,12 +237,6 @@ class PrefillWorker:
             **counters,
         }
 
-    def ready(self) -> str:
-        return self.name
-
-    def model_id(self) -> str:
-        return self.engine.model_id
-
     def close(self) -> None:
         self._stop.set()
         self.loop.close()
@@ -252,12 +247,3 @@ class PrefillWorker:
 
 def _fields(obj: object) -> dict:
     return {k: getattr(obj, k) for k in obj.__dataclass_fields__}  # type: ignore[attr-defined]
-
-
-def _metrics(name: str, counters: dict, gauges: dict, histograms: dict) -> ActorMetrics | None:
-    """Ray metrics when running in Ray; None elsewhere (plain in-process use)."""
-    import ray
-
-    if not ray.is_initialized():
-        return None
-    return ActorMetrics(name, counters, gauges, histograms)
