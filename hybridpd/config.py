@@ -69,6 +69,9 @@ class HybridPDConfig(BaseModel):
     ray_metrics_port: int = Field(
         8090, ge=1, le=65535, description="Port of Ray's Prometheus endpoint (actor metrics), local stack."
     )
+    fault_injection: bool = Field(
+        False, description="Enable POST /v1/hybridpd/faults (tests only; never in production)."
+    )
     max_inflight_requests: int = Field(256, ge=1, le=100000, description="Router admits this many; then 429.")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="Deadline of one request (504 after).")
 

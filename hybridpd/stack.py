@@ -120,7 +120,14 @@ class LocalStack:
         resolve_model_dir(self.cfg.model)  # build the tiny model here, not racing in every actor
         # NOTE: glog level 2 keeps Mooncake's per-connection INFO/WARNING lines out of the actor logs
         env = {"GLOG_minloglevel": "2", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-        opts = {"namespace": NAMESPACE, "num_cpus": 0, "max_concurrency": 256, "runtime_env": {"env_vars": env}}
+        # NOTE: max_restarts: Ray brings a crashed actor back; the router retries elsewhere meanwhile
+        opts = {
+            "namespace": NAMESPACE,
+            "num_cpus": 0,
+            "max_concurrency": 256,
+            "max_restarts": 3,
+            "runtime_env": {"env_vars": env},
+        }
         self.prefill = {
             "prefill-%d" % i: PrefillActor.options(name="prefill-%d" % i, **opts).remote(
                 self.cfg,
@@ -154,8 +161,12 @@ class LocalStack:
 
         names = [*self.prefill, *("decode-%d" % i for i in range(len(self.decode)))]
         refs = [h.stats.remote() for h in [*self.prefill.values(), *self.decode]]
-        got = await asyncio.gather(*refs)
-        return dict(zip(names, got, strict=True))
+        got = await asyncio.gather(*refs, return_exceptions=True)
+        # an actor that is down or restarting is reported, not allowed to hide the others
+        return {
+            n: ({"error": "%s: %s" % (type(g).__name__, str(g)[:200])} if isinstance(g, BaseException) else g)
+            for n, g in zip(names, got, strict=True)
+        }
 
     def stop(self) -> None:
         for h in [*getattr(self, "prefill", {}).values(), *getattr(self, "decode", [])]:

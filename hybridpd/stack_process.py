@@ -70,6 +70,13 @@ class StackProcess:
             time.sleep(0.5)
         return self
 
+    def banner(self, label: str) -> str:
+        """The value ``hybridpd up`` printed after ``label`` (e.g. "Mooncake master")."""
+        for line in self.log.read_text(errors="replace").splitlines():
+            if line.strip().startswith(label):
+                return line.strip()[len(label) :].strip()
+        raise KeyError(label)
+
     def stop(self) -> int | None:
         if self.proc is None or self.proc.poll() is not None:
             return None if self.proc is None else self.proc.returncode

@@ -125,8 +125,10 @@ class HandoffServer:
             if offer is None:
                 return None
             if scrub:
-                for t in offer.tensors:
-                    t.zero_()
+                # NOTE: engine buffers are inference tensors: in-place writes need inference mode
+                with torch.inference_mode():
+                    for t in offer.tensors:
+                        t.zero_()
             self.agent.deregister_memory(offer.reg)
         return offer.expires_at - self.timeout_s
 

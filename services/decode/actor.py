@@ -9,6 +9,7 @@ request's blocks.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -120,7 +121,13 @@ class DecodeWorker(WorkerBase):
             acc = spec.mean_acceptance_length
         with self.stats_lock:
             counters = dict(self.counters)
-        return {"name": self.name, "pool": asdict(pool), "eagle_mean_acceptance_length": acc, **counters}
+        return {
+            "name": self.name,
+            "pid": os.getpid(),
+            "pool": asdict(pool),
+            "eagle_mean_acceptance_length": acc,
+            **counters,
+        }
 
     def close(self) -> None:
         self._stop.set()

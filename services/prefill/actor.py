@@ -17,15 +17,18 @@ store failures degrade to local-only caching; they never fail a request.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from dataclasses import asdict
 
+import torch
+
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import KVExport, PoolStats, StateCheckpoint
 from hybridpd.engine.native.engine import NativeEngine
-from hybridpd.errors import HybridPDError, UnavailableError
+from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
@@ -60,6 +63,7 @@ class PrefillWorker(WorkerBase):
             else None
         )
         self.handoffs = HandoffServer("%s-%s" % (name, int(time.time() * 1000) % 100000), timeout_s=handoff_timeout_s)
+        self.corrupt_next = False
         self.publish_q: queue.Queue[tuple[KVExport, StateCheckpoint]] = queue.Queue()
         self.stats_lock = threading.Lock()
         self.counters = dict.fromkeys(PREFILL_COUNTERS, 0)
@@ -123,6 +127,10 @@ class PrefillWorker(WorkerBase):
         if handoff is None:
             return result
         desc = self.handoffs.offer(handoff.buffers(), req.request_id)
+        if self.corrupt_next:  # fault injection: flip a byte after the checksum was taken
+            self.corrupt_next = False
+            with torch.inference_mode():
+                handoff.kv.buffers[0].view(-1)[0] += 1.0
         with self.stats_lock:
             self.counters["handoff_offered_bytes"] += desc.nbytes
         return PrefillResult(
@@ -153,7 +161,7 @@ class PrefillWorker(WorkerBase):
         try:
             ck = fetch_checkpoint(self.index, self.store, hashes, u, cmd.store_hit)
             self._observe("store_get_seconds", time.perf_counter() - t0)
-        except HybridPDError as exc:
+        except Exception as exc:  # store/index failures of any kind degrade, never fail
             logger.warning("store load failed (%s): recomputing", exc)
             ck = None
         if ck is not None:
@@ -173,6 +181,14 @@ class PrefillWorker(WorkerBase):
 
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)
+
+    def inject_fault(self, kind: str) -> None:
+        """Test hook (only reachable when the config enables fault injection)."""
+        if not self.cfg.fault_injection:
+            raise PermissionError("fault injection is disabled")
+        if kind != "corrupt_next_handoff":
+            raise ValueError("unknown fault %r" % kind)
+        self.corrupt_next = True
 
     # -- publishing ----------------------------------------------------------------------
     def _collect_exports(self) -> None:  # runs in the loop thread, under the engine lock
@@ -194,7 +210,7 @@ class PrefillWorker(WorkerBase):
                 self._observe("store_put_seconds", res.seconds)
                 if self.index is not None:  # published only after the put succeeded
                     self.index.publish_store(kv.block_hashes, st.key, st.meta.position)
-            except HybridPDError as exc:
+            except Exception as exc:  # store/index failures of any kind degrade, never fail
                 with self.stats_lock:
                     self.counters["checkpoint_export_failures"] += 1
                 logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
@@ -232,6 +248,7 @@ class PrefillWorker(WorkerBase):
             counters = dict(self.counters)
         return {
             "name": self.name,
+            "pid": os.getpid(),
             "pool": asdict(pool),
             "handoffs_outstanding": self.handoffs.outstanding(),
             **counters,

@@ -33,6 +33,9 @@ class RouterMetrics:
             registry=r,
         )
         self.routing = Counter("hybridpd_routing_decisions", "Routing decisions by kind.", ["decision"], registry=r)
+        self.retries = Counter(
+            "hybridpd_retries", "Work redone after a failure (prefill actor, handoff).", ["kind"], registry=r
+        )
         self.prompt_tokens = Counter("hybridpd_prompt_tokens", "Prompt tokens received.", registry=r)
         self.cached_tokens = Counter("hybridpd_cached_tokens", "Prompt tokens restored from a cache.", registry=r)
         self.completion_tokens = Counter("hybridpd_completion_tokens", "Tokens generated.", registry=r)

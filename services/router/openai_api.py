@@ -9,6 +9,7 @@ response carries ``X-Request-Id`` (the client's, if it sent one).
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -24,6 +25,8 @@ from hybridpd.errors import HybridPDError, InvalidRequestError, NotFoundError, O
 from hybridpd.tokenizer import ChatMessage
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
 from services.router.orchestrator import Event, Orchestrator
+
+logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_TOKENS = 16
@@ -55,6 +58,11 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
             "%s: %s" % (".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg")) for e in exc.errors()
         ]
         return _error(400, "; ".join(msgs), "invalid_request_error")
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
+        return _error(500, "internal error: %s" % type(exc).__name__, "internal_error")
 
     @app.exception_handler(HybridPDError)
     async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
@@ -150,6 +158,17 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
     async def metrics() -> Response:
         return Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/v1/hybridpd/faults")
+    async def faults(body: dict) -> dict:
+        """Test hook: {"corrupt_next_handoff": "prefill-0"}. 404 unless fault_injection is on."""
+        if not orch.cfg.fault_injection:
+            raise NotFoundError("fault injection is disabled")
+        for kind, instance in body.items():
+            if instance not in orch.prefill:
+                raise InvalidRequestError("no prefill instance %r" % instance)
+            await orch.prefill[instance].inject_fault.remote(kind)
+        return {"ok": True}
+
     @app.get("/v1/hybridpd/stats")
     async def actor_stats() -> dict:
         return await stats()
@@ -190,6 +209,12 @@ async def _sse(
         async for ev in rest:
             last = ev
             yield chunk(ev, False)
+    except HybridPDError as exc:
+        # NOTE: the status line is already sent: report the failure in-stream and
+        # end WITHOUT [DONE], so no client mistakes a cut stream for a finished one.
+        err = {"error": {"message": str(exc), "type": type(exc).__name__, "code": int(http_status(exc))}}
+        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        return
     finally:
         await rest.aclose()  # type: ignore[attr-defined]  # a disconnect lands here: the actors are aborted
     if body.include_usage and last.usage is not None:

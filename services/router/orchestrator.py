@@ -20,12 +20,22 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
-from hybridpd.errors import DeadlineError, InvalidRequestError, NotFoundError, OverloadedError, UnavailableError
+from hybridpd.errors import (
+    DeadlineError,
+    IntegrityError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    UnavailableError,
+)
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
+from hybridpd.transfer.nixl_handoff import HandoffError
 from services.messages import PrefillCommand, PrefillResult, TokenChunk
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteDecision, choose
@@ -125,6 +135,58 @@ class Orchestrator:
         except TimeoutError:
             raise DeadlineError("request exceeded its %.0fs deadline" % self.cfg.request_timeout_s) from None
 
+    async def _prefill(self, req: EngineRequest, decision: RouteDecision, t_arrive: float) -> tuple[PrefillResult, Any]:
+        """Prefill on the routed instance; on a dead or unavailable actor, once more
+        on the next instance (recomputing whatever it lacks)."""
+        n = len(req.prompt_token_ids)
+        names = [decision.instance] + [x for x in sorted(self.prefill) if x != decision.instance]
+        for attempt, name in enumerate(names[:2]):
+            actor = self.prefill[name]
+            self.running[req.request_id] = (actor, None)
+            store_hit = decision.store_hit if decision.store_hit > decision.local_hit else 0
+            self.queued[name] += n
+            try:
+                pr = await self._within(actor.prefill.remote(PrefillCommand(req, store_hit)), t_arrive)
+                return pr, actor
+            except (RayActorError, UnavailableError) as exc:
+                if attempt == 1 or len(names) < 2:
+                    raise UnavailableError("prefill of %s failed: %s" % (req.request_id, exc)) from None
+                logger.warning("prefill of %s on %s failed (%s): retrying on %s", req.request_id, name, exc, names[1])
+                self.metrics.retries.labels("prefill").inc()
+            finally:
+                self.queued[name] -= n
+        raise UnavailableError("no prefill instance")  # unreachable
+
+    async def _decode(
+        self, pr: PrefillResult, req: EngineRequest, decision: RouteDecision, t_arrive: float
+    ) -> AsyncIterator[tuple[Any, TokenChunk]]:
+        """Stream decode chunks. A handoff that fails verification or expired
+        before any token was decoded is prefilled once more (elsewhere when
+        possible); its first token must equal the one already sent."""
+        for attempt in range(2):
+            decode_actor = self._pick_decode()
+            gen = decode_actor.generate.options(num_returns="streaming").remote(pr, req)
+            started = False
+            try:
+                async for ref in gen:
+                    chunk: TokenChunk = await self._within(ref, t_arrive)
+                    started = True
+                    yield decode_actor, chunk
+                return
+            except (IntegrityError, HandoffError, RayActorError) as exc:
+                if started or attempt == 1:
+                    raise UnavailableError("decode of %s failed: %s" % (req.request_id, exc)) from None
+                logger.warning("handoff of %s failed (%s): prefilling again", req.request_id, exc)
+                self.metrics.retries.labels("handoff").inc()
+                others = [x for x in sorted(self.prefill) if x != pr.instance] or [pr.instance]
+                retry = RouteDecision(others[0], 0, 0, 0, "retry")
+                pr2, _ = await self._prefill(req, retry, t_arrive)
+                if pr2.first_token_id != pr.first_token_id or pr2.descriptor is None:
+                    raise UnavailableError(
+                        "re-prefill of %s diverged from the token already sent" % req.request_id
+                    ) from None
+                pr = pr2
+
     def _pick_decode(self) -> Any:
         return self.decode[next(self._rr) % len(self.decode)]
 
@@ -145,15 +207,8 @@ class Orchestrator:
         try:
             decision = await self._route(req, force_instance)
             self.metrics.routing.labels(decision.kind).inc()
-            prefill_actor = self.prefill[decision.instance]
-            self.running[rid] = (prefill_actor, None)
-            self.queued[decision.instance] += n
             self.metrics.queue_time.observe(time.perf_counter() - t_arrive)
-            try:
-                cmd = PrefillCommand(req, decision.store_hit if decision.store_hit > decision.local_hit else 0)
-                pr: PrefillResult = await self._within(prefill_actor.prefill.remote(cmd), t_arrive)
-            finally:
-                self.queued[decision.instance] -= n
+            pr, prefill_actor = await self._prefill(req, decision, t_arrive)
             now = time.perf_counter()
             self.metrics.ttft.observe(now - t_arrive)
             last = now
@@ -174,9 +229,6 @@ class Orchestrator:
                 yield Event((pr.first_token_id,), _trim(text, detok, hit_stop), True, reason, usage())
                 return
             yield Event((pr.first_token_id,), text)
-            decode_actor = self._pick_decode()
-            self.running[rid] = (prefill_actor, decode_actor)
-            gen = decode_actor.generate.options(num_returns="streaming").remote(pr, req)
             logger.info(
                 "request %s: %d prompt tokens, %d cached (%s on %s)",
                 rid,
@@ -185,8 +237,8 @@ class Orchestrator:
                 decision.kind,
                 decision.instance,
             )
-            async for ref in gen:
-                chunk: TokenChunk = await self._within(ref, t_arrive)
+            async for decode_actor, chunk in self._decode(pr, req, decision, t_arrive):
+                self.running[rid] = (prefill_actor, decode_actor)
                 count += len(chunk.token_ids)
                 now = time.perf_counter()
                 self.metrics.itl.observe(now - last)
@@ -205,15 +257,16 @@ class Orchestrator:
                     return
                 yield Event(chunk.token_ids, delta)
             raise UnavailableError("decode stream of %s ended without finishing" % rid)
+        except (GeneratorExit, asyncio.CancelledError):
+            status = "cancelled"  # the client went away (or a stop string closed us)
+            raise
         finally:
             self.inflight -= 1
-            self.running.pop(rid, None)
+            held = self.running.pop(rid, (None, None))
             if not finished:
                 # client gone, stop string, cancel or failure: free the work on both sides
-                status = "cancelled" if status != "error" else status
-                for actor in (prefill_actor, decode_actor):
-                    if actor is not None:
-                        actor.abort.remote(rid)
+                for actor in {id(a): a for a in (*held, prefill_actor, decode_actor) if a is not None}.values():
+                    actor.abort.remote(rid)
             self.metrics.requests.labels(api, status).inc()
             self.metrics.e2e.observe(time.perf_counter() - t_arrive)
             if finished:

@@ -8,7 +8,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from hybridpd.config import load_config
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.stack_process import StackProcess
+from hybridpd.tokenizer import TextTokenizer
 
 
 class Stack(StackProcess):
@@ -24,3 +29,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def reference():  # type: ignore[no-untyped-def]
+    """The native engine run monolithically in this process (EAGLE off, no caching)."""
+    engine = NativeEngine(load_config(env={}, overrides={"enable_prefix_caching": False}))
+    tok = TextTokenizer(resolve_model_dir("tiny"))
+    counter = iter(range(10**9))
+
+    def run(tokens: list[int], max_tokens: int) -> list[int]:
+        sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=tok.stop_token_ids)
+        rid = "ref-%d" % next(counter)
+        return engine.generate([EngineRequest(RequestId(rid), tuple(tokens), sp)])[rid]
+
+    return run, tok

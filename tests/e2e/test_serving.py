@@ -16,11 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import BadRequestError, NotFoundError, OpenAI
 
 from hybridpd.checkpoints import checkpoint_position, longest_usable_hit
-from hybridpd.config import load_config
-from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.engine.native.engine import NativeEngine
-from hybridpd.engine.native.tiny import resolve_model_dir
-from hybridpd.tokenizer import ChatMessage, TextTokenizer
+from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2 as pb
 from hybridpd.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.conftest import Stack
@@ -32,19 +28,6 @@ U = 16
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def reference():  # type: ignore[no-untyped-def]
-    engine = NativeEngine(load_config(env={}, overrides={"enable_prefix_caching": False}))
-    tok = TextTokenizer(resolve_model_dir("tiny"))
-
-    def run(tokens: list[int], max_tokens: int) -> list[int]:
-        sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=tok.stop_token_ids)
-        rid = "ref-%d" % time.monotonic_ns()
-        return engine.generate([EngineRequest(RequestId(rid), tuple(tokens), sp)])[rid]
-
-    return run, tok
 
 
 def _complete(client: OpenAI, tokens: list[int], max_tokens: int = 8, **extra: object):  # type: ignore[no-untyped-def]

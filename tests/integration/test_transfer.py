@@ -68,3 +68,19 @@ def test_read_after_timeout_fails_cleanly() -> None:
     stats = _finish(p, q_out, q_in)
     assert stats["outstanding"] == 0 and stats["expired"] == 1
     client.close()
+
+
+def test_expired_inference_tensors_are_scrubbed_and_freed() -> None:
+    """Engine buffers are inference-mode tensors; expiry must still scrub and free them."""
+    from hybridpd.transfer.nixl_handoff import HandoffServer
+
+    server = HandoffServer("prefill-scrub", timeout_s=0.2)
+    with torch.inference_mode():
+        buf = torch.ones(1024)
+    server.offer([buf])
+    deadline = time.monotonic() + 5
+    while server.outstanding() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.outstanding() == 0 and server.expired == 1
+    assert float(buf.abs().sum()) == 0.0  # zeroed before release
+    server.close()
