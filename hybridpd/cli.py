@@ -71,9 +71,11 @@ def config_show(fmt: str, config_path: str | None, **flags: Any) -> None:
     """Print the effective config (defaults < --config file < env < flags)."""
     cfg = build_config(config_path, flags)
     if fmt == "json":
-        click.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        data = cfg.model_dump(mode="json")
+        data["api_keys"] = ["<redacted>"] * len(data["api_keys"])
+        click.echo(json.dumps(data, indent=2))
     else:
-        click.echo(cfg.to_yaml(), nl=False)
+        click.echo(cfg.to_yaml(redact=True), nl=False)
 
 
 @cli.command()

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hybridpd.errors import ConfigError
 from hybridpd.hashing import HashAlgo, default_seed
@@ -72,6 +72,10 @@ class HybridPDConfig(BaseModel):
     fault_injection: bool = Field(
         False, description="Enable POST /v1/hybridpd/faults (tests only; never in production)."
     )
+    api_keys: list[str] = Field(
+        default_factory=list,
+        description="Bearer API keys (comma-separated in env/flags); each is a tenant. Empty: off.",
+    )
     max_inflight_requests: int = Field(256, ge=1, le=100000, description="Router admits this many; then 429.")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="Deadline of one request (504 after).")
 
@@ -86,6 +90,13 @@ class HybridPDConfig(BaseModel):
     # -- topology
     num_prefill: int = Field(2, ge=1, le=256, description="Prefill actors.")
     num_decode: int = Field(1, ge=1, le=256, description="Decode actors.")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, v: object) -> object:
+        if isinstance(v, str):
+            return [k.strip() for k in v.split(",") if k.strip()]
+        return v
 
     @model_validator(mode="after")
     def _cross_field(self) -> HybridPDConfig:
@@ -113,9 +124,13 @@ class HybridPDConfig(BaseModel):
             return self.mooncake_metadata_url
         return "http://%s:8080/metadata" % self.mooncake_master.rpartition(":")[0]
 
-    def to_yaml(self) -> str:
-        """The effective config as a YAML file :func:`load_config` accepts."""
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+    def to_yaml(self, redact: bool = False) -> str:
+        """The effective config as a YAML file :func:`load_config` accepts
+        (``redact`` hides API keys, for display)."""
+        data = self.model_dump(mode="json")
+        if redact and data["api_keys"]:
+            data["api_keys"] = ["<redacted>"] * len(data["api_keys"])
+        return yaml.safe_dump(data, sort_keys=False)
 
 
 def _is_host_port(value: str) -> bool:

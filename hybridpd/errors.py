@@ -48,6 +48,10 @@ class UnavailableError(HybridPDError):
     """A dependency (Redis, store, actor) cannot be reached right now."""
 
 
+class AuthError(HybridPDError):
+    """Missing or invalid credentials."""
+
+
 class DeadlineError(HybridPDError):
     """The request did not finish within its deadline."""
 
@@ -64,6 +68,7 @@ _HTTP: list[tuple[type[BaseException], HTTPStatus]] = [
     (UnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
     (IntegrityError, HTTPStatus.INTERNAL_SERVER_ERROR),
     (DeadlineError, HTTPStatus.GATEWAY_TIMEOUT),
+    (AuthError, HTTPStatus.UNAUTHORIZED),
 ]
 
 _GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
@@ -74,6 +79,7 @@ _GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IntegrityError, grpc.StatusCode.DATA_LOSS),
     (DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
 ]
 
 

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from hybridpd.auth import ApiKeys
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import HybridPDError, InvalidRequestError, grpc_code
 from hybridpd.tokenizer import ChatMessage
@@ -28,8 +29,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, orch: Orchestrator, served_model: str) -> None:
         self.orch = orch
         self.served_model = served_model
+        self.keys = ApiKeys(orch.cfg.api_keys)
 
-    def _request(self, msg: generate_pb2.GenerateRequest) -> EngineRequest:
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
+        auth = meta.get("authorization")
+        return self.keys.tenant(auth if isinstance(auth, str) else None)
+
+    def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> EngineRequest:
         if msg.model and msg.model != self.served_model:
             raise InvalidRequestError("model %r is not served here (serving %r)" % (msg.model, self.served_model))
         which = msg.WhichOneof("prompt")
@@ -61,13 +68,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         rid = msg.request_id or uuid.uuid4().hex
         if len(rid) > 128:
             raise InvalidRequestError("request_id longer than 128 characters")
-        return EngineRequest(RequestId(rid), tuple(tokens), sp, msg.cache_salt or None)
+        return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, msg.cache_salt or None))
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            req = self._request(request)
+            req = self._request(request, self._tenant(context))
             stop = tuple(request.sampling.stop)
             async for ev in self.orch.stream(req, "grpc", None, stop):
                 resp = generate_pb2.GenerateResponse(
@@ -89,6 +96,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Abort(
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.AbortResponse:
+        try:
+            self._tenant(context)
+        except HybridPDError as exc:
+            await context.abort(grpc_code(exc), str(exc))
         return generate_pb2.AbortResponse(found=self.orch.abort(request.request_id))
 
 

@@ -20,8 +20,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from hybridpd.auth import ApiKeys
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.errors import HybridPDError, InvalidRequestError, NotFoundError, OverloadedError, http_status
+from hybridpd.errors import AuthError, HybridPDError, InvalidRequestError, NotFoundError, OverloadedError, http_status
 from hybridpd.tokenizer import ChatMessage
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
 from services.router.orchestrator import Event, Orchestrator
@@ -38,6 +39,7 @@ def _error(status: int, message: str, kind: str, headers: dict[str, str] | None 
 
 
 def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaitable[dict]]) -> FastAPI:
+    keys = ApiKeys(orch.cfg.api_keys)
     app = FastAPI(title="hybridpd", version="1", summary="OpenAI-compatible serving for hybrid LLMs")
 
     @app.middleware("http")
@@ -45,10 +47,17 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         request.state.request_id = rid
         size = request.headers.get("content-length")
+        request.state.tenant = None
+        resp: Response
         if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            resp: Response = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
+            resp = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
         else:
-            resp = await call_next(request)
+            try:
+                if request.url.path.startswith("/v1/"):  # /health, /metrics, /docs stay open
+                    request.state.tenant = keys.tenant(request.headers.get("authorization"))
+                resp = await call_next(request)
+            except AuthError as exc:
+                resp = _error(401, str(exc), "authentication_error", {"WWW-Authenticate": "Bearer"})
         resp.headers["X-Request-Id"] = rid
         return resp
 
@@ -70,7 +79,9 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
         headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
         return _error(status, str(exc), type(exc).__name__, headers)
 
-    def engine_request(body: _Common, tokens: list[int], rid: str, default_max: int) -> EngineRequest:
+    def engine_request(
+        body: _Common, tokens: list[int], rid: str, default_max: int, tenant: str | None
+    ) -> EngineRequest:
         if body.model != served_model:
             raise NotFoundError("model %r is not served here (serving %r)" % (body.model, served_model))
         max_tokens = body.max_completion_tokens or body.max_tokens
@@ -85,7 +96,7 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
             stop_token_ids=orch.tokenizer.stop_token_ids,
             ignore_eos=body.ignore_eos,
         )
-        return EngineRequest(RequestId(rid), tuple(tokens), sp, body.cache_salt)
+        return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt))
 
     async def run(body: _Common, req: EngineRequest, api: str, kind: str) -> Response:
         created = int(time.time())
@@ -126,13 +137,13 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
         tokens = list(body.prompt) if isinstance(body.prompt, list) else orch.tokenizer.encode(body.prompt)
         if not tokens:
             raise InvalidRequestError("prompt tokenizes to nothing")
-        req = engine_request(body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS)
+        req = engine_request(body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant)
         return await run(body, req, "completions", "text")
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         tokens = orch.tokenizer.apply_chat_template([ChatMessage(m.role, m.content) for m in body.messages])
-        req = engine_request(body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS)
+        req = engine_request(body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant)
         return await run(body, req, "chat", "chat")
 
     @app.get("/v1/models")
