@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from dataclasses import asdict
+from typing import Any
+
 from hybridpd.engine.native.engine import NativeEngine
 from services.actor_metrics import ActorMetrics
+from services.engine_loop import EngineLoop
 
 
 class WorkerBase:
     name: str
     engine: NativeEngine
+    loop: EngineLoop
+    stats_lock: threading.Lock
+    counters: dict[str, Any]
+
+    def _base_stats(self) -> dict[str, Any]:
+        """Identity, pool accounting and counters: the part of ``stats()`` every worker has."""
+        with self.loop.lock:
+            pool = self.engine.stats()
+        with self.stats_lock:
+            counters = dict(self.counters)
+        return {"name": self.name, "pid": os.getpid(), "pool": asdict(pool), **counters}
 
     def ready(self) -> str:
         """Returns once the actor is constructed (engine loaded)."""

@@ -9,12 +9,10 @@ request's blocks.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import DraftState, Handoff, KVExport, StateCheckpoint
@@ -116,18 +114,8 @@ class DecodeWorker(WorkerBase):
 
     def stats(self) -> dict:
         with self.loop.lock:
-            pool = self.engine.stats()
-            spec = self.engine.spec
-            acc = spec.mean_acceptance_length
-        with self.stats_lock:
-            counters = dict(self.counters)
-        return {
-            "name": self.name,
-            "pid": os.getpid(),
-            "pool": asdict(pool),
-            "eagle_mean_acceptance_length": acc,
-            **counters,
-        }
+            acc = self.engine.spec.mean_acceptance_length
+        return {**self._base_stats(), "eagle_mean_acceptance_length": acc}
 
     def close(self) -> None:
         self._stop.set()

@@ -17,16 +17,14 @@ store failures degrade to local-only caching; they never fail a request.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
-from dataclasses import asdict
 
 import torch
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import KVExport, PoolStats, StateCheckpoint
+from hybridpd.engine.base import KVExport, StateCheckpoint
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
@@ -242,17 +240,7 @@ class PrefillWorker(WorkerBase):
         return InstanceLoad(queued_tokens=queued, running_requests=st.num_running, free_blocks=st.num_free_blocks)
 
     def stats(self) -> dict:
-        with self.loop.lock:
-            pool: PoolStats = self.engine.stats()
-        with self.stats_lock:
-            counters = dict(self.counters)
-        return {
-            "name": self.name,
-            "pid": os.getpid(),
-            "pool": asdict(pool),
-            "handoffs_outstanding": self.handoffs.outstanding(),
-            **counters,
-        }
+        return {**self._base_stats(), "handoffs_outstanding": self.handoffs.outstanding()}
 
     def close(self) -> None:
         self._stop.set()
