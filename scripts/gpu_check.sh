@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU tier, in one prepared run for a lent GPU machine (no network there).
+#
+#   bash scripts/gpu_check.sh [OUT_DIR]
+#
+# Uses the machine's own python3 with torch+CUDA. Python packages it lacks
+# (pydantic, cbor2) travel as wheels in .whl/ (see README "GPU tier" for the
+# pip download line). Runs tests/gpu, then hybridpd.benchmarks.gpu_check in
+# fp32 and bf16: the tiny hybrid on CUDA with prefix caching and EAGLE, printing
+# hit tokens, acceptance length, TTFT and token equality with a plain run.
+# Every step runs even when an earlier one fails; the exit status is the worst.
+set -u
+out=${1:-${OUT:-runs/gpu}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 HYBRIDPD_HOME=${HYBRIDPD_HOME:-/tmp/hybridpd-home}
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/hybridpd-site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/hybridpd-site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+status=0
+step() { echo "== $*"; "$@" || status=1; }
+step nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' || status=1
+step python3 -m pytest -p no:cacheprovider -o addopts= -q -rA --junitxml="$out/gpu-tests.xml" tests/gpu
+for dt in float32 bfloat16; do
+  step python3 -m hybridpd.benchmarks.gpu_check --device cuda --dtype "$dt" --json "$out/gpu_check_$dt.json"
+done
+echo "== gpu_check.sh finished with status $status"
+exit $status
