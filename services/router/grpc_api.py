@@ -51,9 +51,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             tokens = tok.apply_chat_template([ChatMessage(m.role, m.content) for m in msg.chat.messages])
         else:
             raise InvalidRequestError("one of text, token_ids or chat is required")
-        s = msg.sampling
-        if s.temperature < 0 or s.temperature > 2 or s.top_p < 0 or s.top_p > 1:
-            raise InvalidRequestError("temperature must be in [0, 2] and top_p in [0, 1]")
+        s = msg.sampling  # ranges are checked with the HTTP API's in Orchestrator.validate
         sp = SamplingParams(
             max_tokens=s.max_tokens or 16,
             temperature=s.temperature,

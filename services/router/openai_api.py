@@ -19,12 +19,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridpd.auth import ApiKeys
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import AuthError, HybridPDError, InvalidRequestError, NotFoundError, OverloadedError, http_status
 from hybridpd.tokenizer import ChatMessage
-from services.router.openai_models import ChatCompletionRequest, CompletionRequest, _Common
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from services.router.orchestrator import Event, Orchestrator
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,20 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
+FAULT_KINDS = ("corrupt_next_handoff",)
+
+_ERR = {"model": ErrorResponse}
+AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {401: {**_ERR, "description": "Missing or unknown API key"}}
+#: Every error status the /v1 generation routes return, each with the same JSON body.
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    **AUTH_RESPONSES,
+    400: {**_ERR, "description": "Invalid request (body, limits, token ids)"},
+    404: {**_ERR, "description": "Unknown model or prefill instance"},
+    413: {**_ERR, "description": "Body over the size limit"},
+    429: {**_ERR, "description": "Router at max_inflight_requests (Retry-After)"},
+    503: {**_ERR, "description": "No instance can serve"},
+    504: {**_ERR, "description": "Request deadline exceeded"},
+}
 
 
 def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -67,6 +82,12 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
             "%s: %s" % (".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg")) for e in exc.errors()
         ]
         return _error(400, "; ".join(msgs), "invalid_request_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # body parse errors, 404 routes, 405 methods: same error shape as everything else
+        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+        return _error(exc.status_code, str(exc.detail), kind, dict(exc.headers or {}) or None)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -132,7 +153,7 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
             }
         )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         tokens = list(body.prompt) if isinstance(body.prompt, list) else orch.tokenizer.encode(body.prompt)
         if not tokens:
@@ -140,13 +161,13 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
         req = engine_request(body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant)
         return await run(body, req, "completions", "text")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         tokens = orch.tokenizer.apply_chat_template([ChatMessage(m.role, m.content) for m in body.messages])
         req = engine_request(body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant)
         return await run(body, req, "chat", "chat")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=AUTH_RESPONSES)
     async def models() -> dict:
         return {
             "object": "list",
@@ -169,18 +190,20 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
     async def metrics() -> Response:
         return Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/hybridpd/faults")
-    async def faults(body: dict) -> dict:
+    @app.post("/v1/hybridpd/faults", responses=ERROR_RESPONSES)
+    async def faults(body: dict[str, str]) -> dict:
         """Test hook: {"corrupt_next_handoff": "prefill-0"}. 404 unless fault_injection is on."""
         if not orch.cfg.fault_injection:
             raise NotFoundError("fault injection is disabled")
         for kind, instance in body.items():
+            if kind not in FAULT_KINDS:
+                raise InvalidRequestError("unknown fault %r (known: %s)" % (kind, ", ".join(FAULT_KINDS)))
             if instance not in orch.prefill:
                 raise InvalidRequestError("no prefill instance %r" % instance)
             await orch.prefill[instance].inject_fault.remote(kind)
         return {"ok": True}
 
-    @app.get("/v1/hybridpd/stats")
+    @app.get("/v1/hybridpd/stats", responses=AUTH_RESPONSES)
     async def actor_stats() -> dict:
         return await stats()
 

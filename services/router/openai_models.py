@@ -17,7 +17,7 @@ MAX_STOP = 4
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -25,7 +25,7 @@ class _Common(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
@@ -99,3 +99,15 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """Body of every 4xx/5xx: ``{"error": {"message", "type", "code"}}``."""
+
+    error: ErrorDetail

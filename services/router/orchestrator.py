@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from hybridpd.transfer.nixl_handoff import HandoffError
 from services.messages import PrefillCommand, PrefillResult, TokenChunk
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteDecision, choose
+
+#: torch.Generator.manual_seed accepts exactly this range.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +97,17 @@ class Orchestrator:
             raise InvalidRequestError("prompt must not be empty")
         if min(p) < 0 or max(p) >= self.tokenizer.vocab_size:
             raise InvalidRequestError("token ids must lie in [0, %d)" % self.tokenizer.vocab_size)
-        if req.sampling.max_tokens < 1:
+        sp = req.sampling
+        if sp.max_tokens < 1:
             raise InvalidRequestError("max_tokens must be >= 1")
+        if not (math.isfinite(sp.temperature) and 0.0 <= sp.temperature <= 2.0):
+            raise InvalidRequestError("temperature must be a number in [0, 2]")
+        if not (math.isfinite(sp.top_p) and 0.0 < sp.top_p <= 1.0):
+            raise InvalidRequestError("top_p must be a number in (0, 1]")
+        if sp.top_k < 0:
+            raise InvalidRequestError("top_k must be >= 0")
+        if sp.seed is not None and not (SEED_MIN <= sp.seed <= SEED_MAX):
+            raise InvalidRequestError("seed must lie in [%d, %d]" % (SEED_MIN, SEED_MAX))
         if len(p) + req.sampling.max_tokens > self.cfg.max_model_len:
             raise InvalidRequestError(
                 "prompt (%d tokens) + max_tokens (%d) exceeds the model's context of %d tokens"

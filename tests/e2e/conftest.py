@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,18 @@ from hybridpd.tokenizer import TextTokenizer
 class Stack(StackProcess):
     def stats(self) -> dict:
         return httpx.get(self.http + "/v1/hybridpd/stats", timeout=30).json()
+
+    def wait_all_free(self, timeout_s: float = 20.0) -> dict:
+        """Stats once every actor's pools are back to all-free with nothing running."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            stats = self.stats()
+            pools = [s["pool"] for s in stats.values()]
+            if all(p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0 for p in pools):
+                return stats
+            if time.monotonic() > deadline:
+                raise AssertionError("blocks not freed: %s" % stats)
+            time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

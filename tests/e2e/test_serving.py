@@ -40,18 +40,6 @@ def _complete(client: OpenAI, tokens: list[int], max_tokens: int = 8, **extra: o
     )
 
 
-def _wait_all_free(stack: Stack, timeout_s: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = stack.stats()
-        pools = [s["pool"] for s in stats.values()]
-        if all(p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0 for p in pools):
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError("blocks not freed: %s" % stats)
-        time.sleep(0.2)
-
-
 @pytest.mark.parametrize("n", [1, 40, 300, 1200])
 def test_completion_equals_monolithic_engine(client: OpenAI, reference, n: int) -> None:  # type: ignore[no-untyped-def]
     run, tok = reference
@@ -134,7 +122,7 @@ def test_client_disconnect_frees_blocks(stack: Stack) -> None:
                 seen += 1
             if seen >= 3:
                 break
-    stats = _wait_all_free(stack)
+    stats = stack.wait_all_free()
     assert all(s["pool"]["num_running"] == 0 for s in stats.values())
 
 
@@ -184,7 +172,7 @@ def test_grpc_generate_abort_health(stack: Stack, reference) -> None:  # type: i
     )
     next(call)
     call.cancel()
-    _wait_all_free(stack)
+    stack.wait_all_free()
 
 
 def test_full_queue_is_429_with_retry_after(stack: Stack) -> None:
@@ -208,7 +196,7 @@ def test_full_queue_is_429_with_retry_after(stack: Stack) -> None:
     assert codes.count(429) >= 1 and codes.count(200) >= 4, codes
     assert all(ra is not None and int(ra) >= 1 for c, ra in results if c == 429)
     assert set(codes) <= {200, 429}
-    _wait_all_free(stack)
+    stack.wait_all_free()
 
 
 def test_growing_streams_recompute_near_ideal(stack: Stack) -> None:

@@ -43,3 +43,11 @@ def test_top_k_top_p_filtering() -> None:
     assert (p[0, 2:] == 0).all() and abs(float(p.sum()) - 1) < 1e-6
     p = sampler.probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert p[0, 0] == 1.0
+
+
+def test_subnormal_top_p_keeps_the_top_token() -> None:
+    # found by the HTTP fuzzer: 5e-324 rounds to 0 in float32 and used to drop every token (NaN probabilities)
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    p = sampler.probs(logits, SamplingParams(temperature=1.0, top_p=5e-324))
+    assert p.tolist() == [[0.0, 1.0, 0.0]]
+    assert sampler.pick(logits[0], SamplingParams(temperature=1.0, top_p=5e-324), torch.Generator()) == 1

@@ -27,7 +27,8 @@ def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     p = torch.softmax(x, dim=-1)
     if 0.0 < sp.top_p < 1.0:
         sorted_p, idx = torch.sort(p, dim=-1, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p  # always keeps the top token
+        keep = sorted_p.cumsum(-1) - sorted_p < sp.top_p
+        keep[..., 0] = True  # the top token always stays (a top_p below float32's tiny would drop it)
         sorted_p = sorted_p * keep
         p = torch.zeros_like(p).scatter(-1, idx, sorted_p)
         p = p / p.sum(-1, keepdim=True)
