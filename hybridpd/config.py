@@ -78,6 +78,9 @@ class HybridPDConfig(BaseModel):
     )
     max_inflight_requests: int = Field(256, ge=1, le=100000, description="Router admits this many; then 429.")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="Deadline of one request (504 after).")
+    handoff_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Prefill frees a handoff decode has not read by then (router re-prefills)."
+    )
 
     # -- external services (unset: the local stack starts its own)
     redis_url: str | None = Field(None, description="Redis URL of the prefix index, e.g. redis://:pw@host:port/0.")

@@ -25,7 +25,13 @@ class WorkerBase:
             pool = self.engine.stats()
         with self.stats_lock:
             counters = dict(self.counters)
-        return {"name": self.name, "pid": os.getpid(), "pool": asdict(pool), **counters}
+        return {
+            "name": self.name,
+            "model_id": self.engine.model_id,
+            "pid": os.getpid(),
+            "pool": asdict(pool),
+            **counters,
+        }
 
     def ready(self) -> str:
         """Returns once the actor is constructed (engine loaded)."""

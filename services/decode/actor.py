@@ -42,13 +42,25 @@ class DecodeWorker(WorkerBase):
             "checksum_failures": 0,
             "decode_tokens": 0,
         }
+        self.delay_next_read = False
         self._stop = threading.Event()
         self.metrics = ray_metrics(name, DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS)
         if self.metrics is not None:
             self.metrics.run(self._metric_snapshot, self._stop)
 
+    def inject_fault(self, kind: str) -> None:
+        """Test hook (only reachable when the config enables fault injection)."""
+        if not self.cfg.fault_injection:
+            raise PermissionError("fault injection is disabled")
+        if kind != "delay_next_handoff_read":
+            raise ValueError("unknown fault %r" % kind)
+        self.delay_next_read = True
+
     def _pull(self, prefill, request) -> Handoff:
         desc = prefill.descriptor
+        if self.delay_next_read:  # fault injection: arrive after prefill's handoff timeout
+            self.delay_next_read = False
+            time.sleep(max(0.0, desc.expires_at - time.time()) + 0.5)
         t0 = time.perf_counter()
         try:
             with self.client_lock:

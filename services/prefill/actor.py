@@ -49,7 +49,6 @@ class PrefillWorker(WorkerBase):
         redis_url: str | None,
         mooncake_master: str | None,
         metadata_url: str | None,
-        handoff_timeout_s: float = 30.0,
     ) -> None:
         self.cfg = cfg
         self.name = name
@@ -60,7 +59,9 @@ class PrefillWorker(WorkerBase):
             if mooncake_master and metadata_url
             else None
         )
-        self.handoffs = HandoffServer("%s-%s" % (name, int(time.time() * 1000) % 100000), timeout_s=handoff_timeout_s)
+        self.handoffs = HandoffServer(
+            "%s-%s" % (name, int(time.time() * 1000) % 100000), timeout_s=cfg.handoff_timeout_s
+        )
         self.corrupt_next = False
         self.publish_q: queue.Queue[tuple[KVExport, StateCheckpoint]] = queue.Queue()
         self.stats_lock = threading.Lock()
@@ -240,7 +241,11 @@ class PrefillWorker(WorkerBase):
         return InstanceLoad(queued_tokens=queued, running_requests=st.num_running, free_blocks=st.num_free_blocks)
 
     def stats(self) -> dict:
-        return {**self._base_stats(), "handoffs_outstanding": self.handoffs.outstanding()}
+        return {
+            **self._base_stats(),
+            "handoffs_outstanding": self.handoffs.outstanding(),
+            "handoffs_expired": self.handoffs.expired,
+        }
 
     def close(self) -> None:
         self._stop.set()

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 256
-FAULT_KINDS = ("corrupt_next_handoff",)
+#: fault -> the kind of instance it is injected into
+FAULT_KINDS = {"corrupt_next_handoff": "prefill", "delay_next_handoff_read": "decode"}
 
 _ERR = {"model": ErrorResponse}
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {401: {**_ERR, "description": "Missing or unknown API key"}}
@@ -192,15 +193,17 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
 
     @app.post("/v1/hybridpd/faults", responses=ERROR_RESPONSES)
     async def faults(body: dict[str, str]) -> dict:
-        """Test hook: {"corrupt_next_handoff": "prefill-0"}. 404 unless fault_injection is on."""
+        """Test hook: {"corrupt_next_handoff": "prefill-0"} or {"delay_next_handoff_read": "decode-0"}.
+        404 unless fault_injection is on."""
         if not orch.cfg.fault_injection:
             raise NotFoundError("fault injection is disabled")
         for kind, instance in body.items():
             if kind not in FAULT_KINDS:
                 raise InvalidRequestError("unknown fault %r (known: %s)" % (kind, ", ".join(FAULT_KINDS)))
-            if instance not in orch.prefill:
-                raise InvalidRequestError("no prefill instance %r" % instance)
-            await orch.prefill[instance].inject_fault.remote(kind)
+            actors = orch.prefill if FAULT_KINDS[kind] == "prefill" else orch.decode_by_name
+            if instance not in actors:
+                raise InvalidRequestError("no %s instance %r" % (FAULT_KINDS[kind], instance))
+            await actors[instance].inject_fault.remote(kind)
         return {"ok": True}
 
     @app.get("/v1/hybridpd/stats", responses=AUTH_RESPONSES)

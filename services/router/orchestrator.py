@@ -81,6 +81,7 @@ class Orchestrator:
         self.index = index
         self.prefill = prefill
         self.decode = decode
+        self.decode_by_name = {"decode-%d" % i: d for i, d in enumerate(decode)}
         self.metrics = metrics
         self.max_inflight = cfg.max_inflight_requests
         self.inflight = 0

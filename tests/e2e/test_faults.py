@@ -4,6 +4,7 @@ state plane recovers. This module runs its own stack (it breaks things)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -16,15 +17,23 @@ import psutil
 import pytest
 from openai import OpenAI
 
+from hybridpd.config import load_config
+from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import redis_server_binary
 from hybridpd.procs import port_open
+from hybridpd.store.client import CheckpointStore
 from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
+
+HANDOFF_TIMEOUT_S = 5
 
 
 @pytest.fixture(scope="module")
 def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("faults")), ["--fault-injection"])
+    s = Stack(
+        Path(tmp_path_factory.mktemp("faults")), ["--fault-injection", "--handoff-timeout-s", str(HANDOFF_TIMEOUT_S)]
+    )
     s.start()
     try:
         yield s
@@ -70,6 +79,66 @@ def test_corrupted_handoff_is_detected_and_redone(fstack: Stack, reference) -> N
     got = _complete(fstack, tokens, hybridpd_prefill_instance="prefill-0")
     assert got.choices[0].token_ids == run(tokens, 6)  # type: ignore[attr-defined]
     assert _metric(fstack, 'hybridpd_retries_total{kind="handoff"}') == before + 1
+
+
+def _prefill_stats(stack: Stack, key: str) -> dict[str, float]:
+    return {name: s[key] for name, s in stack.stats().items() if name.startswith("prefill-")}
+
+
+def test_decode_too_late_prefill_frees_and_request_is_redone(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    run, _ = reference
+    tokens = list(prompt(140, 67))
+    expired_before = _prefill_stats(fstack, "handoffs_expired")
+    retries_before = _metric(fstack, 'hybridpd_retries_total{kind="handoff"}')
+    r = httpx.post(fstack.http + "/v1/hybridpd/faults", json={"delay_next_handoff_read": "decode-0"})
+    assert r.status_code == 200, r.text
+    t0 = time.monotonic()
+    got = _complete(fstack, tokens, hybridpd_prefill_instance="prefill-0")
+    assert time.monotonic() - t0 > HANDOFF_TIMEOUT_S  # decode really arrived after the timeout
+    assert got.choices[0].token_ids == run(tokens, 6)  # type: ignore[attr-defined]
+    # decode's late read failed cleanly: the router prefilled again (on the other instance)
+    assert _metric(fstack, 'hybridpd_retries_total{kind="handoff"}') == retries_before + 1
+    # and prefill-0 freed the unread handoff on its timeout
+    deadline = time.monotonic() + 10
+    while _prefill_stats(fstack, "handoffs_expired")["prefill-0"] < expired_before["prefill-0"] + 1:
+        assert time.monotonic() < deadline, fstack.stats()
+        time.sleep(0.2)
+    stats = fstack.wait_all_free()
+    assert all(s.get("handoffs_outstanding", 0) == 0 for s in stats.values())
+
+
+def test_store_objects_deleted_behind_the_index(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    run, _ = reference
+    cfg = load_config(env={})  # the stack runs on the defaults
+    hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+    model_id = fstack.stats()["prefill-0"]["model_id"]
+    index = PrefixIndex(fstack.banner("Redis (prefix index)"), model_id)
+    base = list(prompt(300, 68))
+    ext = base + list(prompt(40, 69))
+    exports = _prefill_stats(fstack, "checkpoint_exports")["prefill-0"]
+    _complete(fstack, base, hybridpd_prefill_instance="prefill-0")
+    deadline = time.monotonic() + 20
+    while index.lookup(hasher.chain(ext), len(ext), cfg.prefix_match_unit, cfg.eagle).store_hit == 0:
+        assert time.monotonic() < deadline, "checkpoint never published (%s)" % fstack.stats()["prefill-0"]
+        time.sleep(0.2)
+    assert _prefill_stats(fstack, "checkpoint_exports")["prefill-0"] > exports
+    # every state object of this model disappears behind the index's back
+    store = CheckpointStore(
+        fstack.banner("Mooncake master"), fstack.banner("Mooncake metadata"), model_id, segment_bytes=16 << 20
+    )
+    try:
+        assert store.store.remove_by_regex("^hpd/%s/st/" % re.escape(model_id), True) > 0
+    finally:
+        store.close()
+    failures = _prefill_stats(fstack, "prefill_store_load_failures")["prefill-1"]
+    got = _complete(fstack, ext, hybridpd_prefill_instance="prefill-1")
+    assert got.choices[0].token_ids == run(ext, 6)  # type: ignore[attr-defined]
+    assert got.usage.prompt_tokens_details.cached_tokens == 0  # recomputed, nothing wrong restored
+    assert _prefill_stats(fstack, "prefill_store_load_failures")["prefill-1"] == failures + 1
+    # the index was repaired: the dead entry no longer promises a store hit
+    # (prefill-1 published its own checkpoint for ext, which ends later than base's)
+    hit = index.lookup(hasher.chain(base), len(base), cfg.prefix_match_unit, cfg.eagle).store_hit
+    assert hit == 0 or hit > len(base) - cfg.prefix_match_unit - 1, hit
 
 
 def test_redis_down_serves_then_recovers(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
