@@ -221,6 +221,39 @@ def bench_eagle(json_path: str, quick: bool) -> None:
     engine.main(["--json", json_path] + (["--quick"] if quick else []))
 
 
+@bench.command("soak")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/soak.json", show_default=True
+)
+@click.option("--minutes", type=click.FloatRange(min=0.05), default=10.0, show_default=True, help="How long to run.")
+@click.option("--streams", type=click.IntRange(min=1), default=16, show_default=True, help="Concurrent client streams.")
+@click.option("--url", default=None, help="Soak a running stack instead of starting one.")
+def bench_soak(json_path: str, minutes: float, streams: int, url: str | None) -> None:
+    """Bounded soak: concurrent mixed requests with shared prefixes; failures, pools, RSS."""
+    from pathlib import Path
+
+    from hybridpd.benchmarks import soak
+
+    out = soak.run(Path(json_path), soak.SoakConfig(minutes=minutes, streams=streams), url)
+    click.echo(
+        "soak: %d ok, %d failed, %d inconsistent, pools back to baseline: %s, %.1f req/s, TTFT p50 %.0f ms"
+        % (
+            out["requests_ok"],
+            out["requests_failed"],
+            out["inconsistent_outputs"],
+            out["pools_back_to_baseline"],
+            out["requests_per_s"],
+            out["ttft_p50_ms"],
+        )
+    )
+    click.echo(
+        "RSS growth after warm-up (MiB): %s" % {k: round(v, 1) for k, v in out["rss_growth_mb_after_warmup"].items()}
+    )
+    click.echo("wrote %s (+ .png)" % json_path)
+    if out["requests_failed"] or out["inconsistent_outputs"] or not out["pools_back_to_baseline"]:
+        raise SystemExit(1)
+
+
 def main() -> None:
     cli(prog_name="hybridpd")
 
