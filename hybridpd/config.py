@@ -93,6 +93,17 @@ class HybridPDConfig(BaseModel):
     # -- topology
     num_prefill: int = Field(2, ge=1, le=256, description="Prefill actors.")
     num_decode: int = Field(1, ge=1, le=256, description="Decode actors.")
+    actor_placement: Literal["any", "worker_groups"] = Field(
+        "any",
+        description="any: actors go anywhere (local stack); worker_groups: prefill/decode actors need the Ray"
+        " resources hybridpd_prefill/hybridpd_decode (the Helm chart's worker groups) and are detached, shared"
+        " by every router replica.",
+    )
+    actor_num_gpus: float = Field(0.0, ge=0, le=16, description="GPUs each prefill/decode actor reserves in Ray.")
+    store_host: str = Field(
+        "127.0.0.1",
+        description="Address the MooncakeStore client of each prefill actor advertises; 'auto' = the Ray node IP.",
+    )
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -109,6 +120,8 @@ class HybridPDConfig(BaseModel):
                 "must be a multiple of prefix_match_unit (%d), got %d"
                 % (self.prefix_match_unit, self.mamba_block_size),
             )
+        if self.device == "cuda" and self.actor_placement == "worker_groups" and self.actor_num_gpus == 0:
+            raise ConfigError("actor_num_gpus", "must be > 0 when device is cuda on Ray worker groups")
         if self.http_port == self.grpc_port:
             raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
         if self.mooncake_master is not None and not _is_host_port(self.mooncake_master):

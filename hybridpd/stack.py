@@ -128,8 +128,16 @@ class LocalStack:
             "max_restarts": 3,
             "runtime_env": {"env_vars": env},
         }
+        prefill_opts, decode_opts = dict(opts), dict(opts)
+        if self.cfg.actor_placement == "worker_groups":
+            # NOTE: detached + get_if_exists: every router replica attaches to the same actors
+            shared = {"lifetime": "detached", "get_if_exists": True, "num_gpus": self.cfg.actor_num_gpus}
+            prefill_opts.update(shared, resources={"hybridpd_prefill": 1})
+            decode_opts.update(shared, resources={"hybridpd_decode": 1})
+        elif self.cfg.actor_num_gpus:
+            prefill_opts["num_gpus"] = decode_opts["num_gpus"] = self.cfg.actor_num_gpus
         self.prefill = {
-            "prefill-%d" % i: PrefillActor.options(name="prefill-%d" % i, **opts).remote(
+            "prefill-%d" % i: PrefillActor.options(name="prefill-%d" % i, **prefill_opts).remote(
                 self.cfg,
                 "prefill-%d" % i,
                 self.urls.redis_url,
@@ -139,7 +147,7 @@ class LocalStack:
             for i in range(self.cfg.num_prefill)
         }
         self.decode = [
-            DecodeActor.options(name="decode-%d" % i, **opts).remote(self.cfg, "decode-%d" % i)
+            DecodeActor.options(name="decode-%d" % i, **decode_opts).remote(self.cfg, "decode-%d" % i)
             for i in range(self.cfg.num_decode)
         ]
         handles = [*self.prefill.values(), *self.decode]
@@ -169,7 +177,8 @@ class LocalStack:
         }
 
     def stop(self) -> None:
-        for h in [*getattr(self, "prefill", {}).values(), *getattr(self, "decode", [])]:
+        shared = self.cfg.actor_placement == "worker_groups"  # other router replicas still use them
+        for h in [] if shared else [*self.prefill.values(), *self.decode]:
             try:
                 import ray
 

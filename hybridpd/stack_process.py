@@ -39,7 +39,23 @@ class StackProcess:
     def grpc(self) -> str:
         return "127.0.0.1:%d" % self.grpc_port
 
-    def start(self) -> StackProcess:
+    #: what a port lost between choosing it and binding it looks like in the log
+    _PORT_RACE = ("already occupied", "Address already in use")
+
+    def start(self, attempts: int = 3) -> StackProcess:
+        """Start ``hybridpd up``; on a port taken between choosing and binding it,
+        choose fresh ports and start again (at most ``attempts`` times)."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once()
+            except UnavailableError as exc:
+                if attempt == attempts - 1 or not any(m in str(exc) for m in self._PORT_RACE):
+                    raise
+                self.http_port, self.grpc_port, self.dashboard_port = free_port(), free_port(), free_port()
+                self.ray_metrics_port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> StackProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         exe = Path(sys.executable).parent / "hybridpd"
         argv = [

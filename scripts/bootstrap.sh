@@ -48,3 +48,22 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 else
   log "python environment up to date"
 fi
+
+# Test-only: the Prometheus Operator CRD schemas, compiled to validators by the
+# npm package @kubernetes-models/prometheus-operator (used by the Helm chart tests).
+NPM_DIR=.cache/npm
+NPM_PKGS="@kubernetes-models/prometheus-operator@6.0.0"
+if ! command -v npm >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    log "apt-get install nodejs npm"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+  else
+    log "WARNING: npm missing (sudo apt-get install nodejs npm); the Helm CRD tests will fail"
+  fi
+fi
+if command -v npm >/dev/null 2>&1 && [ "$(cat "$NPM_DIR/.stamp" 2>/dev/null)" != "$NPM_PKGS" ]; then
+  log "npm install $NPM_PKGS"
+  mkdir -p "$NPM_DIR"
+  npm install --prefix "$NPM_DIR" --no-audit --no-fund --loglevel=error $NPM_PKGS >/dev/null
+  echo "$NPM_PKGS" >"$NPM_DIR/.stamp"
+fi

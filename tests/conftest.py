@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = _TIER_BY_DIR.get(Path(str(item.fspath)).parent.name)
         if tier and tier not in item.keywords:
             item.add_marker(getattr(pytest.mark, tier))
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # a marker, not any keyword (a param id may say "gpu")
             if has_cuda is None:
                 has_cuda = _cuda_available()
             if not has_cuda:

@@ -59,7 +59,8 @@ class CheckpointStore:
         buffer_bytes: int = 128 << 20,
         local_host: str = "127.0.0.1",
     ) -> None:
-        _loopback_env()
+        if local_host in ("127.0.0.1", "localhost"):
+            _loopback_env()
         from mooncake.store import MooncakeDistributedStore
 
         self.model_id = model_id

@@ -39,6 +39,15 @@ from services.worker_base import WorkerBase, ray_metrics
 logger = logging.getLogger(__name__)
 
 
+def _store_host(cfg: HybridPDConfig) -> str:
+    """The address this actor's MooncakeStore client advertises ('auto': its Ray node IP)."""
+    if cfg.store_host != "auto":
+        return cfg.store_host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 class PrefillWorker(WorkerBase):
     """The actor's body (plain class, so tests can also run it in-process)."""
 
@@ -55,7 +64,7 @@ class PrefillWorker(WorkerBase):
         self.engine = NativeEngine(cfg, export_checkpoints=bool(mooncake_master))
         self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url else None
         self.store = (
-            CheckpointStore(mooncake_master, metadata_url, self.engine.model_id)
+            CheckpointStore(mooncake_master, metadata_url, self.engine.model_id, local_host=_store_host(cfg))
             if mooncake_master and metadata_url
             else None
         )

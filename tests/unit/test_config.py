@@ -80,3 +80,11 @@ def test_frozen() -> None:
     with pytest.raises(ValidationError):
         cfg.http_port = 1  # type: ignore[misc]
     assert isinstance(cfg, HybridPDConfig)
+
+
+def test_gpu_worker_groups_need_gpus_per_actor() -> None:
+    base = {"device": "cuda", "actor_placement": "worker_groups"}
+    with pytest.raises(ConfigError, match="actor_num_gpus"):
+        load_config(env={}, overrides=base)
+    cfg = load_config(env={}, overrides={**base, "actor_num_gpus": 1})
+    assert cfg.actor_num_gpus == 1.0 and cfg.store_host == "127.0.0.1"

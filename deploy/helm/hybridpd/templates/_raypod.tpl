@@ -1,0 +1,46 @@
+{{/* A Ray pod template: .root, .component, .containerName, .resources, .gpus, .ports, .nodeSelector, .tolerations */}}
+{{- define "hybridpd.rayPod" -}}
+metadata:
+  labels:
+    {{- include "hybridpd.labels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  automountServiceAccountToken: false
+  {{- with .root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - name: {{ . }}
+    {{- end }}
+  {{- end }}
+  containers:
+    - name: {{ .containerName }}
+      image: {{ include "hybridpd.image" .root }}
+      imagePullPolicy: {{ .root.Values.image.pullPolicy }}
+      env:
+        - name: RAY_USAGE_STATS_ENABLED
+          value: "0"
+      ports:
+        {{- toYaml .ports | nindent 8 }}
+      {{- $res := deepCopy .resources }}
+      {{- if gt (int .gpus) 0 }}
+      {{- $limits := merge (dict .root.Values.ray.gpuResourceName (int .gpus)) (default dict $res.limits) }}
+      {{- $_ := set $res "limits" $limits }}
+      {{- end }}
+      resources:
+        {{- toYaml $res | nindent 8 }}
+      volumeMounts:
+        - name: shm
+          mountPath: /dev/shm
+  volumes:
+    # Ray's object store lives in shared memory
+    - name: shm
+      emptyDir:
+        medium: Memory
+  {{- with .nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+{{- end -}}

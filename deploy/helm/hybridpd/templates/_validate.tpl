@@ -1,0 +1,42 @@
+{{/* Fail fast on values that contradict each other (values.schema.json checks each field alone). */}}
+{{- define "hybridpd.validate" -}}
+{{- $c := .Values.config -}}
+{{- if and (not .Values.redis.enabled) (not .Values.redis.externalUrl) -}}
+{{- fail "redis.enabled is false: set redis.externalUrl (redis://host:port/db) to an external Redis" -}}
+{{- end -}}
+{{- if and .Values.redis.enabled .Values.redis.externalUrl -}}
+{{- fail "redis.externalUrl is set while redis.enabled is true: choose one (set redis.enabled=false to use the external Redis)" -}}
+{{- end -}}
+{{- if and (not .Values.mooncake.enabled) (not .Values.mooncake.externalMaster) -}}
+{{- fail "mooncake.enabled is false: set mooncake.externalMaster (host:port)" -}}
+{{- end -}}
+{{- if and .Values.mooncake.enabled .Values.mooncake.externalMaster -}}
+{{- fail "mooncake.externalMaster is set while mooncake.enabled is true: choose one" -}}
+{{- end -}}
+{{- if ne (mod (int $c.mamba_block_size) (int $c.prefix_match_unit)) 0 -}}
+{{- fail (printf "config.mamba_block_size (%d) must be a multiple of config.prefix_match_unit (%d)" (int $c.mamba_block_size) (int $c.prefix_match_unit)) -}}
+{{- end -}}
+{{- $gpus := or (gt (int .Values.ray.prefill.gpus) 0) (gt (int .Values.ray.decode.gpus) 0) -}}
+{{- if and (eq $c.device "cuda") (or (eq (int .Values.ray.prefill.gpus) 0) (eq (int .Values.ray.decode.gpus) 0)) -}}
+{{- fail "config.device is cuda: set ray.prefill.gpus and ray.decode.gpus > 0" -}}
+{{- end -}}
+{{- if and $gpus (ne $c.device "cuda") -}}
+{{- fail "ray.prefill.gpus / ray.decode.gpus are set but config.device is cpu: set config.device=cuda (or gpus to 0)" -}}
+{{- end -}}
+{{- if ne (int .Values.ray.prefill.gpus) (int .Values.ray.decode.gpus) -}}
+{{- fail "ray.prefill.gpus and ray.decode.gpus must be equal (every actor reserves the same GPUs)" -}}
+{{- end -}}
+{{- if and .Values.router.autoscaling.enabled (gt (int .Values.router.autoscaling.minReplicas) (int .Values.router.autoscaling.maxReplicas)) -}}
+{{- fail (printf "router.autoscaling.minReplicas (%d) exceeds maxReplicas (%d)" (int .Values.router.autoscaling.minReplicas) (int .Values.router.autoscaling.maxReplicas)) -}}
+{{- end -}}
+{{- $replicas := ternary .Values.router.autoscaling.minReplicas .Values.router.replicas .Values.router.autoscaling.enabled -}}
+{{- if and .Values.router.podDisruptionBudget.enabled (ge (int .Values.router.podDisruptionBudget.minAvailable) (int $replicas)) -}}
+{{- fail (printf "router.podDisruptionBudget.minAvailable (%d) must be below the router replicas (%d), or no pod could ever be evicted" (int .Values.router.podDisruptionBudget.minAvailable) (int $replicas)) -}}
+{{- end -}}
+{{- if and .Values.apiKeys.enabled (not .Values.apiKeys.existingSecret) (not .Values.apiKeys.keys) -}}
+{{- fail "apiKeys.enabled is true: set apiKeys.keys or apiKeys.existingSecret" -}}
+{{- end -}}
+{{- if eq (int .Values.router.service.httpPort) (int .Values.router.service.grpcPort) -}}
+{{- fail "router.service.httpPort and grpcPort must differ" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,299 @@
+"""The Helm chart, proven offline: rendered with the Helm v4 engine
+(helm-python-sdk), linted strictly, built-in kinds validated with
+kubernetes-validate --strict, CRD objects against their CRD schemas, and the
+rendered config file loaded by hybridpd.config."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from hybridpd.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "deploy" / "helm" / "hybridpd"
+HERE = Path(__file__).parent / "helm"
+NODE_MODULES = ROOT / ".cache" / "npm" / "node_modules"
+K8S_VERSION = "1.30.0"
+VALUE_SETS = ["default", "gpu", "external-redis", "minimal"]
+CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/")
+
+
+def _values(name: str) -> dict[str, Any]:
+    return yaml.safe_load((CHART / "ci" / ("%s-values.yaml" % name)).read_text()) or {}
+
+
+def _render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    out = helm.Chart.load(CHART).render(values, name="hpd", namespace="serving", is_install=True)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def _by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def _one(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    found = [d for d in _by_kind(docs, kind) if d["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, (kind, suffix, [d["metadata"]["name"] for d in _by_kind(docs, kind)])
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    return {name: _render(_values(name)) for name in VALUE_SETS}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint_strict_has_no_errors_or_warnings(name: str) -> None:
+    report = helm.lint(CHART, _values(name), strict=True, kube_version="v" + K8S_VERSION)
+    assert report["errors"] == [], report
+    assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_expected_objects_render(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[name]
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ConfigMap", "RayCluster"} <= kinds
+    _one(docs, "Deployment", "-router")
+    _one(docs, "Service", "-router")
+    v = _values(name)
+    assert bool(_by_kind(docs, "StatefulSet")) == v.get("redis", {}).get("enabled", True)
+    assert bool([d for d in _by_kind(docs, "Deployment") if d["metadata"]["name"].endswith("-mooncake")]) == v.get(
+        "mooncake", {}
+    ).get("enabled", True)
+    hpa = v.get("router", {}).get("autoscaling", {}).get("enabled", True)
+    assert bool(_by_kind(docs, "HorizontalPodAutoscaler")) == hpa
+    assert bool(_by_kind(docs, "NetworkPolicy")) == v.get("networkPolicy", {}).get("enabled", True)
+    monitoring = name == "gpu"
+    for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
+        assert bool(_by_kind(docs, kind)) == monitoring, kind
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_builtin_kinds_pass_kubernetes_validate_strict(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    checked = 0
+    for doc in rendered[name]:
+        if doc["apiVersion"].startswith(CRD_GROUPS):
+            continue
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked += 1
+    # the RayCluster's pod templates are core/v1 pod templates: validate them strictly as such
+    for rc in _by_kind(rendered[name], "RayCluster"):
+        groups = [rc["spec"]["headGroupSpec"], *rc["spec"]["workerGroupSpecs"]]
+        for i, g in enumerate(groups):
+            doc = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "g%d" % i},
+                "template": g["template"],
+            }
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+            checked += 1
+    assert checked >= 8
+
+
+def test_kubernetes_validate_catches_a_bad_object() -> None:
+    doc = _one(_render({}), "Deployment", "-router")
+    doc["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = 7
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_raycluster_matches_its_schema(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    schema = json.loads((HERE / "raycluster.schema.json").read_text())
+    rc = _one(rendered[name], "RayCluster")
+    jsonschema.validate(rc, schema)
+    v = _values(name)
+    groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
+    assert set(groups) == {"prefill", "decode"}
+    for group, g in groups.items():
+        want = v.get("ray", {}).get(group, {})
+        assert g["replicas"] == want.get("replicas", 2 if group == "prefill" else 1)
+        # each pod advertises the custom resource its actor needs (actor_placement=worker_groups)
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {"hybridpd_%s" % group: 1}
+        limits = g["template"]["spec"]["containers"][0]["resources"].get("limits", {})
+        assert limits.get("nvidia.com/gpu", 0) == want.get("gpus", 0)
+    bad = json.loads(json.dumps(rc))
+    bad["spec"]["workerGroupSpecs"][0]["replica"] = 3  # a typo must fail
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def _validate_prometheus_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    node = shutil.which("node")
+    assert node and NODE_MODULES.exists(), "node and the npm validators are installed by scripts/bootstrap.sh"
+    proc = subprocess.run(
+        [node, str(HERE / "validate_crds.mjs"), str(NODE_MODULES)],
+        input=json.dumps(objects),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def test_prometheus_operator_objects_match_their_crds(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["gpu"]
+    objects = [d for d in docs if d["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert {o["kind"] for o in objects} == {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
+    results = _validate_prometheus_objects(objects)
+    assert len(results) == len(objects) and all(r["ok"] for r in results), results
+    # the validators do fail: a broken interval and a rule without an expression
+    broken = json.loads(json.dumps(objects))
+    for o in broken:
+        if o["kind"] == "ServiceMonitor":
+            o["spec"]["endpoints"][0]["interval"] = "often"
+        if o["kind"] == "PrometheusRule":
+            del o["spec"]["groups"][0]["rules"][0]["expr"]
+    failed = {r["kind"] for r in _validate_prometheus_objects(broken) if not r["ok"]}
+    assert {"ServiceMonitor", "PrometheusRule"} <= failed
+
+
+def test_rules_and_dashboards_are_the_repositorys(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["gpu"]
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yaml").read_text())
+    assert _one(docs, "PrometheusRule")["spec"]["groups"] == rules["groups"]
+    boards = {p.name: json.loads(p.read_text()) for p in (ROOT / "deploy" / "grafana").glob("*.json")}
+    cms = [d for d in _by_kind(docs, "ConfigMap") if "-dashboard-" in d["metadata"]["name"]]
+    assert len(cms) == len(boards) >= 3
+    for cm in cms:
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        ((fname, text),) = cm["data"].items()
+        assert json.loads(text) == boards[fname]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_rendered_config_file_loads_with_hybridpd_config(
+    name: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    cm = _one(rendered[name], "ConfigMap", "-config")
+    path = tmp_path / "config.yaml"
+    path.write_text(cm["data"]["config.yaml"])
+    cfg = load_config(path, env={})
+    v = _values(name)
+    for key, value in v.get("config", {}).items():
+        assert getattr(cfg, key) == value, key
+    assert cfg.num_prefill == v.get("ray", {}).get("prefill", {}).get("replicas", 2)
+    assert cfg.actor_placement == "worker_groups" and cfg.store_host == "auto" and cfg.ray_address == "auto"
+    assert cfg.host == "0.0.0.0" and cfg.http_port == 8000 and cfg.grpc_port == 50051
+    assert cfg.mooncake_master and cfg.mooncake_metadata_url and cfg.redis_url
+    # the router's env (password from the Secret) overrides the file, as in the pod
+    router = _one(rendered[name], "Deployment", "-router")
+    env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    if "HYBRIDPD_REDIS_URL" in env:
+        url = env["HYBRIDPD_REDIS_URL"]["value"].replace("$(REDIS_PASSWORD)", "s3cret")
+        assert load_config(path, env={"HYBRIDPD_REDIS_URL": url}).redis_url == url
+        assert ":s3cret@" in url
+
+
+def test_probes_use_the_routers_health_endpoints(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    c = _one(rendered["default"], "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["grpc"]["port"] == ports["grpc"] == 50051  # grpc.health.v1, served by the router
+    assert ports["http"] == 8000
+
+
+def test_only_the_router_is_reachable_from_outside(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    pols = {p["metadata"]["name"].rsplit("-", 1)[-1]: p["spec"] for p in _by_kind(rendered["default"], "NetworkPolicy")}
+    internal = pols["internal"]
+    assert internal["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "hpd"
+    assert all("from" in rule for rule in internal["ingress"])  # never open to everyone
+    router = pols["router"]
+    assert router["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "router"
+    assert {p["port"] for p in router["ingress"][0]["ports"]} == {8000, 50051}
+    others = [s for s in _by_kind(rendered["default"], "Service") if not s["metadata"]["name"].endswith("-router")]
+    assert others and all(s["spec"]["type"] == "ClusterIP" for s in others)
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"config": {"prefix_match_unit": 0}}, "/config/prefix_match_unit"),
+        ({"config": {"redis_url": "redis://x:6379"}}, "additional properties 'redis_url' not allowed"),
+        ({"config": {"mamba_block_size": 40}}, "must be a multiple of config.prefix_match_unit"),
+        ({"config": {"device": "cuda"}}, "set ray.prefill.gpus and ray.decode.gpus > 0"),
+        ({"ray": {"prefill": {"gpus": 1}, "decode": {"gpus": 1}}}, "config.device is cpu"),
+        ({"redis": {"enabled": False}}, "set redis.externalUrl"),
+        ({"redis": {"externalUrl": "redis://r:6379/0"}}, "choose one"),
+        ({"mooncake": {"enabled": False}}, "set mooncake.externalMaster"),
+        ({"router": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}, "exceeds maxReplicas"),
+        ({"router": {"podDisruptionBudget": {"minAvailable": 2}}}, "must be below the router replicas"),
+        ({"apiKeys": {"enabled": True}}, "set apiKeys.keys or apiKeys.existingSecret"),
+        ({"redis": {"enabled": False, "externalUrl": "redis://:pw@r:6379"}}, "/redis/externalUrl"),
+        ({"monitoring": {"serviceMonitor": {"interval": "often"}}}, "/monitoring/serviceMonitor/interval"),
+    ],
+)
+def test_invalid_values_fail_with_a_clear_message(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError) as err:
+        _render(values)
+    assert message in str(err.value), str(err.value)
+
+
+def _keys_with_paths(text: str) -> list[tuple[list[str], int]]:
+    """(path, line number) of every mapping key in values.yaml, from its indentation."""
+    out, stack = [], []  # stack of (indent, key)
+    for i, line in enumerate(text.splitlines()):
+        s = line.strip()
+        if not s or s.startswith("#") or s.startswith("-") or ":" not in s:
+            continue
+        indent = len(line) - len(line.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        key = s.split(":", 1)[0].strip('"')
+        stack.append((indent, key))
+        out.append(([k for _, k in stack], i))
+    return out
+
+
+def test_every_values_field_has_a_doc_comment() -> None:
+    text = (CHART / "values.yaml").read_text()
+    lines = text.splitlines()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    undocumented = []
+    for path, i in _keys_with_paths(text):
+        node: Any = schema
+        for k in path:  # only fields the schema defines (not the contents of free-form maps)
+            free = (node or {}).get("$comment") == "contents are free-form"
+            node = None if free else (node or {}).get("properties", {}).get(k)
+        if node is None:
+            continue
+        j = i - 1
+        while j >= 0 and lines[j].strip().startswith("#") and not lines[j].strip().startswith("# --"):
+            j -= 1
+        if j < 0 or not lines[j].strip().startswith("# --"):
+            undocumented.append(".".join(path))
+    assert undocumented == []
+
+
+def test_schema_covers_every_value() -> None:
+    """values.schema.json rejects unknown keys, so every default must be declared there."""
+    helm.Chart.load(CHART).validate_schema(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def test_dockerfile_copies_what_exists_and_runs_the_cli() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    for line in text.splitlines():
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), src
+    assert 'CMD ["hybridpd", "up", "--config", "/etc/hybridpd/config.yaml"]' in text
+    router = _one(_render({}), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    assert "hybridpd up --config /etc/hybridpd/config.yaml" in router["args"][0]
