@@ -7,12 +7,14 @@ import threading
 from dataclasses import asdict
 from typing import Any
 
+from hybridpd.config import HybridPDConfig
 from hybridpd.engine.native.engine import NativeEngine
 from services.actor_metrics import ActorMetrics
 from services.engine_loop import EngineLoop
 
 
 class WorkerBase:
+    cfg: HybridPDConfig
     name: str
     engine: NativeEngine
     loop: EngineLoop
@@ -32,6 +34,13 @@ class WorkerBase:
             "pool": asdict(pool),
             **counters,
         }
+
+    def _allow_fault(self, kind: str, known: str) -> None:
+        """Raise unless fault injection is on and ``kind`` is this worker's fault."""
+        if not self.cfg.fault_injection:
+            raise PermissionError("fault injection is disabled")
+        if kind != known:
+            raise ValueError("unknown fault %r" % kind)
 
     def ready(self) -> str:
         """Returns once the actor is constructed (engine loaded)."""

@@ -171,11 +171,9 @@ def run(json_path: Path, quick: bool, url: str | None = None, only: list[str] | 
 
 
 def _write(path: Path, out: dict[str, Any]) -> None:
-    from hybridpd.benchmarks.report import machine_info, plot_bars
+    from hybridpd.benchmarks.report import plot_bars, write_json
 
-    out["machine"] = machine_info()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(path, out)
     v = out["variants"]
     plot_bars(
         path.with_suffix(".png"),

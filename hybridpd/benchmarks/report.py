@@ -26,6 +26,13 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def write_json(path: Path, out: dict[str, Any]) -> None:
+    """Add machine info to ``out`` (in place) and write it to ``path`` as JSON."""
+    out["machine"] = machine_info()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+
+
 def write_report(path: Path, data: dict[str, Any], bars: dict[str, float], ylabel: str, title: str) -> None:
     """Write ``data`` (plus machine info) to ``path`` and a PNG bar plot of ``bars``."""
     path.parent.mkdir(parents=True, exist_ok=True)

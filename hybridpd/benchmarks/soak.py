@@ -7,7 +7,8 @@ prompts built from a few shared prefixes (256 to 2,048 tokens) plus a suffix
 drawn from a small set (so prompts repeat and hit caches), greedy, mixed
 ``/v1/completions`` streaming / non-streaming and ``/v1/chat/completions``.
 Every response is checked: HTTP 200, a finish reason, exactly ``max_tokens``
-tokens (``ignore_eos``), a stream that ends with ``[DONE]``, and the same
+tokens for ``length`` (at most that for ``stop``: ``ignore_eos`` ignores EOS,
+not the chat template's stop token), usage matching the tokens, a stream that ends with ``[DONE]``, and the same
 tokens every time the same prompt comes back (caching under load must not
 change answers). A sampler records the RSS of the router and of every actor
 process, and pool accounting, every few seconds. At the end it waits for every
@@ -78,8 +79,8 @@ class _Workload:
         return key, body, api
 
 
-def _call(client: httpx.Client, body: dict[str, Any], api: str) -> tuple[list[int], dict[str, Any], float]:
-    """One request; returns (token ids, usage, ttft_s) or raises with what was wrong."""
+def _call(client: httpx.Client, body: dict[str, Any], api: str) -> tuple[list[int], str, dict[str, Any], float]:
+    """One request; returns (token ids, finish reason, usage, ttft_s) or raises with what was wrong."""
     t0 = time.perf_counter()
     if api != "stream":
         path = "/v1/chat/completions" if api == "chat" else "/v1/completions"
@@ -90,12 +91,12 @@ def _call(client: httpx.Client, body: dict[str, Any], api: str) -> tuple[list[in
         choice = data["choices"][0]
         if not choice.get("finish_reason"):
             raise RuntimeError("no finish_reason")
-        return choice["token_ids"], data["usage"], time.perf_counter() - t0
+        return choice["token_ids"], choice["finish_reason"], data["usage"], time.perf_counter() - t0
     ids: list[int] = []
     usage, ttft, done, finish = None, None, False, None
     with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            raise RuntimeError("HTTP %d: %s" % (r.status_code, r.read()[:200]))
+            raise RuntimeError("HTTP %d: %s" % (r.status_code, r.read()[:200].decode(errors="replace")))
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -113,7 +114,7 @@ def _call(client: httpx.Client, body: dict[str, Any], api: str) -> tuple[list[in
             usage = data.get("usage") or usage
     if not done or finish is None or usage is None or ttft is None:
         raise RuntimeError("stream ended early (done=%s finish=%s)" % (done, finish))
-    return ids, usage, ttft
+    return ids, finish, usage, ttft
 
 
 class _Recorder:
@@ -128,10 +129,18 @@ class _Recorder:
         self.cached_tokens = 0
         self.completion_tokens = 0
 
-    def record(self, key: str, body: dict[str, Any], ids: list[int], usage: dict[str, Any], ttft: float) -> None:
+    def record(
+        self, key: str, body: dict[str, Any], ids: list[int], finish: str, usage: dict[str, Any], ttft: float
+    ) -> None:
+        # ignore_eos ignores EOS only: a stop token (e.g. the chat template's end) still ends a request early
+        n, want = len(ids), body["max_tokens"]
+        ok = usage["completion_tokens"] == n and (n == want if finish == "length" else finish == "stop" and n <= want)
         with self.lock:
-            if len(ids) != body["max_tokens"] or usage["completion_tokens"] != body["max_tokens"]:
-                self.failures.append("%s: %d tokens, wanted %d" % (key, len(ids), body["max_tokens"]))
+            if not ok:
+                self.failures.append(
+                    "%s: %d tokens (usage %d), finish %s, max_tokens %d"
+                    % (key, n, usage["completion_tokens"], finish, want)
+                )
                 return
             first = self.answers.setdefault(key, ids)
             if first != ids:
@@ -190,12 +199,12 @@ def run_soak(url: str, cfg: SoakConfig, router_pid: int | None = None) -> dict[s
             while not stop.is_set():
                 key, body, api = work.draw(rng)
                 try:
-                    ids, usage, ttft = _call(client, body, api)
+                    ids, finish, usage, ttft = _call(client, body, api)
                 except Exception as exc:  # every failure is counted and reported, none stops the soak
                     with rec.lock:
                         rec.failures.append("%s: %s" % (key, exc))
                     continue
-                rec.record(key, body, ids, usage, ttft)
+                rec.record(key, body, ids, finish, usage, ttft)
 
     threads = [threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(cfg.streams)]
     for t in threads:
@@ -256,11 +265,9 @@ def run(json_path: Path, cfg: SoakConfig, url: str | None = None) -> dict[str, A
 
 
 def _write(path: Path, out: dict[str, Any]) -> None:
-    from hybridpd.benchmarks.report import machine_info
+    from hybridpd.benchmarks.report import write_json
 
-    out["machine"] = machine_info()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(out, indent=2) + "\n")
+    write_json(path, out)
     import matplotlib
 
     matplotlib.use("Agg")

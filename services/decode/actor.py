@@ -50,10 +50,7 @@ class DecodeWorker(WorkerBase):
 
     def inject_fault(self, kind: str) -> None:
         """Test hook (only reachable when the config enables fault injection)."""
-        if not self.cfg.fault_injection:
-            raise PermissionError("fault injection is disabled")
-        if kind != "delay_next_handoff_read":
-            raise ValueError("unknown fault %r" % kind)
+        self._allow_fault(kind, "delay_next_handoff_read")
         self.delay_next_read = True
 
     def _pull(self, prefill, request) -> Handoff:

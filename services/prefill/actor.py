@@ -192,10 +192,7 @@ class PrefillWorker(WorkerBase):
 
     def inject_fault(self, kind: str) -> None:
         """Test hook (only reachable when the config enables fault injection)."""
-        if not self.cfg.fault_injection:
-            raise PermissionError("fault injection is disabled")
-        if kind != "corrupt_next_handoff":
-            raise ValueError("unknown fault %r" % kind)
+        self._allow_fault(kind, "corrupt_next_handoff")
         self.corrupt_next = True
 
     # -- publishing ----------------------------------------------------------------------
