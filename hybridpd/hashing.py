@@ -7,9 +7,11 @@ Contract (identical bytes to vLLM 0.32 ``hash_block_tokens`` with
                         canonical=True))
     NONE_HASH = H(cbor2.dumps(seed, canonical=True))
 
-``extra_keys_i`` is ``None`` or a tuple: ``(adapter,)`` on every block when
-a LoRA adapter is named, plus ``cache_salt`` appended on block 0 only (vLLM
-order: lora keys, then salt). Only full blocks are hashed.
+``extra_keys_i`` is ``None`` or a tuple: ``("lora", name, path)`` on every
+block when a LoRA adapter is named, plus ``("cache_salt", salt)`` appended on
+block 0 only (vLLM 0.32's keys and order: lora, then salt). Only full blocks
+are hashed. ``tests/vllm/test_hash_equality.py`` checks this against vLLM's
+own ``get_request_block_hasher`` in the vLLM environment.
 
 NOTE: ``cbor2.dumps`` of a 128-int tuple per block dominates vLLM's cost. We
 encode the token ids of all blocks at once (canonical CBOR unsigned ints: 1,
@@ -151,13 +153,13 @@ class BlockHasher:
         object.__setattr__(self, "none_hash", BlockHash(hash_cbor(self.algo, self.seed)))
 
     @staticmethod
-    def extra_keys(block_index: int, cache_salt: str | None, adapter: str | None) -> tuple[Any, ...] | None:
-        """vLLM's per-block extra keys: adapter on every block, salt on block 0."""
+    def extra_keys(block_index: int, cache_salt: str | None, adapter: tuple[str, str] | None) -> tuple[Any, ...] | None:
+        """vLLM's per-block extra keys: the adapter (name, path) on every block, the salt on block 0."""
         keys: list[Any] = []
         if adapter:
-            keys.append(adapter)
+            keys.append(("lora", adapter[0], adapter[1]))
         if block_index == 0 and cache_salt:
-            keys.append(cache_salt)
+            keys.append(("cache_salt", cache_salt))
         return tuple(keys) if keys else None
 
     def hash_block(
@@ -171,7 +173,7 @@ class BlockHasher:
         tokens: Sequence[int] | np.ndarray,
         *,
         cache_salt: str | None = None,
-        adapter: str | None = None,
+        adapter: tuple[str, str] | None = None,
         parent: BlockHash | None = None,
         first_block_index: int = 0,
     ) -> list[BlockHash]:
@@ -209,7 +211,7 @@ class BlockHasher:
         self,
         arr: np.ndarray,
         cache_salt: str | None,
-        adapter: str | None,
+        adapter: tuple[str, str] | None,
         parent: BlockHash | None,
         first_block_index: int,
     ) -> list[BlockHash]:

@@ -16,7 +16,12 @@ from hybridpd.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo, default_s
 
 
 def reference_chain(
-    tokens: list[int], unit: int, algo: HashAlgo, seed: str, salt: str | None = None, adapter: str | None = None
+    tokens: list[int],
+    unit: int,
+    algo: HashAlgo,
+    seed: str,
+    salt: str | None = None,
+    adapter: tuple[str, str] | None = None,
 ) -> list[bytes]:
     """vLLM's definition, written out with cbor2 + hashlib/xxhash directly."""
     h = hashlib.sha256 if algo is HashAlgo.SHA256_CBOR else None
@@ -28,7 +33,7 @@ def reference_chain(
     parent = digest(seed)
     out = []
     for i in range(len(tokens) // unit):
-        keys = ([adapter] if adapter else []) + ([salt] if (i == 0 and salt) else [])
+        keys = ([("lora", *adapter)] if adapter else []) + ([("cache_salt", salt)] if (i == 0 and salt) else [])
         parent = digest((parent, tuple(tokens[i * unit : (i + 1) * unit]), tuple(keys) if keys else None))
         out.append(parent)
     return out
@@ -58,10 +63,10 @@ def test_default_seed(monkeypatch: pytest.MonkeyPatch) -> None:
     unit=st.sampled_from([1, 3, 8, 16, 24, 32]),
     algo=st.sampled_from(list(HashAlgo)),
     salt=st.one_of(st.none(), st.text(max_size=8)),
-    adapter=st.one_of(st.none(), st.sampled_from(["lora-a", "x" * 30])),
+    adapter=st.one_of(st.none(), st.sampled_from([("lora-a", "/adapters/a"), ("x" * 30, "")])),
 )
 def test_fast_chain_equals_cbor2_reference(
-    tokens: list[int], unit: int, algo: HashAlgo, salt: str | None, adapter: str | None
+    tokens: list[int], unit: int, algo: HashAlgo, salt: str | None, adapter: tuple[str, str] | None
 ) -> None:
     hasher = BlockHasher(unit=unit, algo=algo, seed="s")
     want = reference_chain(tokens, unit, algo, "s", salt, adapter)

@@ -1,0 +1,104 @@
+"""Our config -> vLLM ``EngineArgs`` keyword arguments (vLLM 0.32).
+
+Pure data: importing this module does not import vLLM. One mapping for the
+three roles an engine can play:
+
+* ``local``: one engine does prefill and decode (tests, ``vllm-direct``);
+* ``prefill``: NixlConnector ``kv_producer`` (decode pulls the KV and state);
+* ``decode``: NixlConnector ``kv_consumer``, plus speculative decoding when
+  ``eagle`` is on.
+
+With a store configured (``mooncake_master``) the prefill side gets a
+MultiConnector: NixlConnector for the handoff, MooncakeStoreConnector for the
+shared prefix store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from hybridpd.config import HybridPDConfig
+from hybridpd.errors import ConfigError
+
+Role = Literal["local", "prefill", "decode"]
+ROLES: tuple[Role, ...] = ("local", "prefill", "decode")
+
+
+def _nixl(role: str, device: str) -> dict[str, Any]:
+    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu" if device == "cpu" else "cuda"}
+
+
+def kv_transfer_config(cfg: HybridPDConfig, role: Role) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` of an engine in ``role`` (None for ``local``)."""
+    if role == "local":
+        return None
+    nixl = _nixl("kv_producer" if role == "prefill" else "kv_consumer", cfg.device)
+    if role == "prefill" and cfg.mooncake_master:
+        store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [nixl, store]},
+        }
+    return nixl
+
+
+def speculative_config(cfg: HybridPDConfig, role: Role, model_dir: Path) -> dict[str, Any] | None:
+    """EAGLE on decode (and on a local engine): the draft lives at ``<model>/eagle``."""
+    if not cfg.eagle or role == "prefill":
+        return None
+    draft = model_dir / "eagle"
+    if not draft.exists():
+        raise ConfigError("eagle", "engine vllm needs an EAGLE draft model at %s" % draft)
+    return {"method": "eagle", "model": str(draft), "num_speculative_tokens": cfg.num_speculative_tokens}
+
+
+def engine_kwargs(
+    cfg: HybridPDConfig,
+    model_dir: Path,
+    role: Role,
+    *,
+    kv_events_endpoint: str | None = None,
+    kv_cache_memory_bytes: int | None = None,
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.engine.arg_utils.EngineArgs``.
+
+    ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:5557``) turns on vLLM's ZMQ
+    KV-cache events, which ``hybridpd.engine.vllm.kv_events`` mirrors into the
+    prefix index.
+    """
+    if role not in ROLES:
+        raise ConfigError("engine", "unknown vLLM engine role %r" % role)
+    kw: dict[str, Any] = {
+        "model": str(model_dir),
+        "dtype": cfg.dtype,
+        "max_model_len": cfg.max_model_len,
+        "max_num_seqs": cfg.max_num_seqs,
+        "max_num_batched_tokens": max(cfg.max_num_batched_tokens, cfg.max_model_len),
+        "enable_prefix_caching": cfg.enable_prefix_caching,
+        "prefix_caching_hash_algo": str(cfg.hash_algo.value),
+        "seed": 0,
+        "enforce_eager": cfg.device == "cpu",
+    }
+    if cfg.enable_prefix_caching:
+        # hybrid models: cache the recurrent state at block boundaries ("align"), and
+        # at prefix_match_unit granularity within them (partial-prefix checkpoints)
+        kw["mamba_cache_mode"] = "align"
+        kw["prefix_match_unit"] = cfg.prefix_match_unit
+    if kv_cache_memory_bytes is not None:
+        kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    transfer = kv_transfer_config(cfg, role)
+    if transfer is not None:
+        kw["kv_transfer_config"] = transfer
+    spec = speculative_config(cfg, role, model_dir)
+    if spec is not None:
+        kw["speculative_config"] = spec
+    if kv_events_endpoint is not None:
+        kw["kv_events_config"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": kv_events_endpoint,
+            "topic": "kv",
+        }
+    return kw

@@ -1,0 +1,206 @@
+"""vLLM behind the engine protocol: ``VllmEngine``.
+
+Drives vLLM's ``LLMEngine`` with its engine core in this process
+(``enable_multiprocessing=False``), one ``step()`` at a time, exactly like the
+native engine: the actors' engine loop owns it. (vLLM's ``AsyncLLM`` wraps the
+same engine core for asyncio servers; our actors step engines from a thread.)
+
+Prefill/decode disaggregation uses vLLM's NixlConnector, so the handoff is
+not a set of our buffers but vLLM's ``kv_transfer_params``:
+
+* prefill: ``add_request(req, prefill_only=True)`` runs the prompt with
+  ``max_tokens=1`` and ``do_remote_decode``; the finished output carries the
+  ``kv_transfer_params`` decode needs. For hybrid models vLLM's prefill side
+  stops one token short (decode recomputes the last prompt token on top of
+  the pulled KV and recurrent state), so the token it samples is NOT the first
+  output token and is never reported: ``VllmHandoff.first_token_id`` is None;
+* decode: ``add_handoff(VllmHandoff)`` submits the request with those params;
+  vLLM's connector pulls KV and state from the prefill engine over NIXL and
+  decode produces every output token, the first included.
+
+Token ids in, token ids out: the router tokenizes (the tokenizer files are in
+the model directory, so both sides tokenize identically).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import EngineRequest, FinishReason, PoolStats, RequestId, RequestOutput
+from hybridpd.engine.vllm.args import Role, engine_kwargs
+from hybridpd.errors import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class VllmHandoff:
+    """What decode needs to continue a request prefilled by another vLLM engine."""
+
+    request: EngineRequest
+    first_token_id: int | None  # None: decode produces the first token (vLLM's hybrid P/D)
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any]
+
+
+@dataclass(slots=True)
+class _Live:
+    request: EngineRequest
+    prefill_only: bool
+    emitted: int = 0
+    handoff: VllmHandoff | None = None
+
+
+class VllmEngine:
+    """One vLLM engine in ``role`` (local, prefill or decode)."""
+
+    def __init__(
+        self,
+        cfg: HybridPDConfig,
+        model_dir: Path,
+        role: Role = "local",
+        *,
+        kv_events_endpoint: str | None = None,
+        kv_cache_memory_bytes: int = 256 << 20,
+    ) -> None:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.cfg = cfg
+        self.role = role
+        self.model_dir = model_dir
+        kw = engine_kwargs(
+            cfg, model_dir, role, kv_events_endpoint=kv_events_endpoint, kv_cache_memory_bytes=kv_cache_memory_bytes
+        )
+        logger.info("starting vLLM (%s) with %s", role, kw)
+        self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
+        self.model_id = "vllm:%s" % model_dir.name
+        self.live: dict[str, _Live] = {}
+        self.handoffs: dict[str, VllmHandoff] = {}
+        self.pending: list[RequestOutput] = []
+
+    # -- requests ----------------------------------------------------------------------
+    def _sampling(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> Any:
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        sp = req.sampling
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            seed=sp.seed,
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
+            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
+        )
+
+    def _submit(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> None:
+        prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
+        if req.cache_salt:
+            prompt["cache_salt"] = req.cache_salt
+        self.engine.add_request(req.request_id, prompt, self._sampling(req, max_tokens, transfer))
+
+    def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
+        """Queue ``request``; ``prefill_only`` stops after the first token and keeps
+        the KV for a decode engine to pull (role ``prefill``)."""
+        if request.request_id in self.live:
+            raise InvalidRequestError("duplicate request id %s" % request.request_id)
+        if prefill_only and self.role != "prefill":
+            raise InvalidRequestError("prefill_only needs an engine in the prefill role, not %s" % self.role)
+        transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
+        max_tokens = 1 if prefill_only else request.sampling.max_tokens
+        self._submit(request, max_tokens, transfer)
+        self.live[request.request_id] = _Live(request, prefill_only)
+
+    def add_handoff(self, handoff: VllmHandoff) -> None:
+        """Continue a request prefilled elsewhere: vLLM pulls its KV and state over NIXL
+        and generates every output token."""
+        req = handoff.request
+        if req.request_id in self.live:
+            raise InvalidRequestError("duplicate request id %s" % req.request_id)
+        if handoff.first_token_id is not None:
+            raise InvalidRequestError("a vLLM handoff carries no first token (decode produces it)")
+        self._submit(req, req.sampling.max_tokens, dict(handoff.kv_transfer_params))
+        self.live[req.request_id] = _Live(req, False, handoff=handoff)
+
+    def abort(self, request_id: RequestId) -> bool:
+        if self.live.pop(request_id, None) is None:
+            return False
+        self.engine.abort_request([request_id])
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.pending) or self.engine.has_unfinished_requests()
+
+    # -- stepping ----------------------------------------------------------------------
+    @staticmethod
+    def _output(
+        req: EngineRequest, tokens: tuple[int, ...], finished: bool, reason: FinishReason | None, cached: int
+    ) -> RequestOutput:
+        return RequestOutput(
+            req.request_id, tokens, finished, reason, len(req.prompt_token_ids), num_cached_tokens=cached
+        )
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self.pending = self.pending, []
+        for out in self.engine.step():
+            live = self.live.get(out.request_id)
+            if live is None:  # aborted meanwhile
+                continue
+            comp = out.outputs[0]
+            tokens = tuple(comp.token_ids)
+            cached = int(out.num_cached_tokens or 0)
+            if live.handoff is not None:
+                cached = live.handoff.num_cached_tokens
+            reason = None
+            if out.finished:
+                reason = FinishReason.STOP if comp.finish_reason == "stop" else FinishReason.LENGTH
+                if comp.finish_reason == "abort":
+                    reason = FinishReason.ABORT
+            if live.prefill_only and out.finished:
+                params = out.kv_transfer_params or {}
+                if params:
+                    self.handoffs[out.request_id] = VllmHandoff(live.request, None, cached, params)
+                tokens = ()  # not an output token (see the module docstring)
+            live.emitted += len(tokens)
+            outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
+            if out.finished:
+                del self.live[out.request_id]
+        return outputs
+
+    def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
+        """Run ``requests`` to completion (tests, benchmarks)."""
+        for r in requests:
+            self.add_request(r)
+        out: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        while self.has_work():
+            for o in self.step():
+                out[o.request_id].extend(o.new_token_ids)
+        return out
+
+    # -- accounting --------------------------------------------------------------------
+    def _block_pool(self) -> Any:
+        core = getattr(self.engine.engine_core, "engine_core", None)  # in-process client -> EngineCore
+        return core.scheduler.kv_cache_manager.block_pool if core is not None else None
+
+    def stats(self) -> PoolStats:
+        pool = self._block_pool()
+        total = pool.num_gpu_blocks - 1 if pool is not None else 0  # vLLM reserves one null block
+        free = pool.get_num_free_blocks() if pool is not None else 0
+        running = sum(1 for v in self.live.values())
+        return PoolStats(total, free, 0, 0, 0, running, 0)
+
+    def close(self) -> None:
+        try:
+            self.engine.engine_core.shutdown()
+        except Exception:  # already down
+            logger.debug("vLLM shutdown failed", exc_info=True)

@@ -1,0 +1,71 @@
+"""Engine processes for the vLLM tests (spawned: one vLLM engine per process,
+as in the actors; each gets its own NIXL side-channel port)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hybridpd.config import load_config
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+
+BASE = {"engine": "vllm", "dtype": "bfloat16", "max_model_len": 8192, "max_num_batched_tokens": 8192}
+
+
+def _engine(role: str, overrides: dict[str, Any], side_port: int | None = None):  # type: ignore[no-untyped-def]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if side_port is not None:
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
+    from hybridpd.engine.vllm.engine import VllmEngine
+    from hybridpd.engine.vllm.tiny import resolve
+
+    return VllmEngine(load_config(env={}, overrides={**BASE, **overrides}), resolve(), role)  # type: ignore[arg-type]
+
+
+def req(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None) -> EngineRequest:
+    return EngineRequest(RequestId(rid), tuple(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), salt)
+
+
+def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    """Run prompts one after another; report tokens and cached tokens per prompt."""
+    eng = _engine("local", overrides)
+    out = {}
+    for rid, toks in prompts:
+        eng.add_request(req(rid, toks, max_tokens))
+        got: list[int] = []
+        cached = 0
+        while eng.has_work():
+            for o in eng.step():
+                got.extend(o.new_token_ids)
+                cached = max(cached, o.num_cached_tokens)
+        out[rid] = {"tokens": got, "cached": cached}
+    out["_stats"] = eng.stats()
+    q_out.put(out)
+
+
+def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    eng = _engine("prefill", overrides, side_port)
+    q_out.put("ready")
+    while (msg := q_in.get()) != "exit":
+        rid, toks, max_tokens = msg
+        eng.add_request(req(rid, toks, max_tokens), prefill_only=True)
+        first: list[int] = []
+        while eng.has_work():
+            for o in eng.step():
+                first.extend(o.new_token_ids)
+        q_out.put(eng.handoffs.pop(rid))
+    q_out.put("bye")
+
+
+def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    eng = _engine("decode", overrides, side_port)
+    q_out.put("ready")
+    while (msg := q_in.get()) != "exit":
+        eng.add_handoff(msg)
+        got: list[int] = []
+        while eng.has_work():
+            for o in eng.step():
+                got.extend(o.new_token_ids)
+        q_out.put(got)
+    q_out.put("bye")
