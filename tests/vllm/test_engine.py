@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridpd.procs import free_port  # noqa: E402
-from tests.vllm.workers import decode_worker, local_worker, prefill_worker  # noqa: E402
+from hybridpd.procs import free_port
+from tests.vllm.workers import decode_worker, local_worker, prefill_worker
 
 CTX = mp.get_context("spawn")
 
