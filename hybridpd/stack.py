@@ -114,10 +114,10 @@ class LocalStack:
         """Start the prefill and decode actors (the model is built first, once)."""
         import ray
 
-        from hybridpd.engine.native.tiny import resolve_model_dir
+        from hybridpd.engine.factory import resolve_model
         from services.actors import NAMESPACE, DecodeActor, PrefillActor
 
-        resolve_model_dir(self.cfg.model)  # build the tiny model here, not racing in every actor
+        resolve_model(self.cfg)  # build the tiny model here, not racing in every actor
         # NOTE: glog level 2 keeps Mooncake's per-connection INFO/WARNING lines out of the actor logs
         env = {"GLOG_minloglevel": "2", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
         # NOTE: max_restarts: Ray brings a crashed actor back; the router retries elsewhere meanwhile
@@ -155,13 +155,13 @@ class LocalStack:
         self.model_id = ray.get(next(iter(self.prefill.values())).model_id.remote())
 
     def orchestrator(self):
-        from hybridpd.engine.native.tiny import resolve_model_dir
+        from hybridpd.engine.factory import resolve_model
         from hybridpd.tokenizer import TextTokenizer
         from services.router.metrics import RouterMetrics
         from services.router.orchestrator import Orchestrator
 
         index = PrefixIndex(self.urls.redis_url, self.model_id) if self.urls.redis_url else None
-        tok = TextTokenizer(resolve_model_dir(self.cfg.model))
+        tok = TextTokenizer(Path(resolve_model(self.cfg)))
         return Orchestrator(self.cfg, tok, self.model_id, index, self.prefill, self.decode, RouterMetrics())
 
     async def actor_stats(self) -> dict:

@@ -14,15 +14,15 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from hybridpd.engine.base import RequestOutput
-from hybridpd.engine.native.engine import NativeEngine
 
 logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: NativeEngine, after_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: Any, after_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.lock = threading.RLock()
         self.queues: dict[str, queue.Queue[RequestOutput | BaseException]] = {}

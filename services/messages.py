@@ -21,7 +21,7 @@ class PrefillResult:
 
     request_id: str
     instance: str
-    first_token_id: int
+    first_token_id: int | None  # None: decode produces the first token (vLLM's P/D)
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
@@ -30,6 +30,12 @@ class PrefillResult:
     kv_meta: BufferMeta | None = None
     state_meta: BufferMeta | None = None
     draft_meta: BufferMeta | None = None
+    #: vLLM engines: the NixlConnector's kv_transfer_params (vLLM moves the KV itself)
+    transfer_params: dict | None = None
+
+    @property
+    def has_handoff(self) -> bool:
+        return self.descriptor is not None or self.transfer_params is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,6 @@ from dataclasses import asdict
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.native.engine import NativeEngine
 from services.actor_metrics import ActorMetrics
 from services.engine_loop import EngineLoop
 
@@ -16,7 +15,7 @@ from services.engine_loop import EngineLoop
 class WorkerBase:
     cfg: HybridPDConfig
     name: str
-    engine: NativeEngine
+    engine: Any  # NativeEngine or VllmEngine (hybridpd.engine.factory)
     loop: EngineLoop
     stats_lock: threading.Lock
     counters: dict[str, Any]

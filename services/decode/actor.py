@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import DraftState, Handoff, KVExport, StateCheckpoint
-from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.factory import make_engine
+from hybridpd.engine.vllm.engine import VllmHandoff
 from hybridpd.errors import IntegrityError
 from hybridpd.transfer.nixl_handoff import HandoffClient
 from services.actor_metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
@@ -31,7 +32,7 @@ class DecodeWorker(WorkerBase):
     def __init__(self, cfg: HybridPDConfig, name: str) -> None:
         self.cfg = cfg
         self.name = name
-        self.engine = NativeEngine(cfg)
+        self.engine = make_engine(cfg, "decode")
         self.client = HandoffClient("%s-%d" % (name, int(time.time() * 1000) % 100000))
         self.client_lock = threading.Lock()
         self.loop = EngineLoop(self.engine)
@@ -84,7 +85,13 @@ class DecodeWorker(WorkerBase):
 
     def generate(self, prefill: PrefillResult, request) -> Iterator[TokenChunk]:
         """Continue ``request`` from its prefill; yields chunks until finished."""
-        handoff = self._pull(prefill, request)
+        handoff: Handoff | VllmHandoff
+        if prefill.transfer_params is not None:  # vLLM: its NixlConnector pulls the KV
+            handoff = VllmHandoff(request, None, prefill.num_cached_tokens, prefill.transfer_params)
+            with self.stats_lock:
+                self.counters["handoffs"] += 1
+        else:
+            handoff = self._pull(prefill, request)
         q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(handoff))
         try:
             while True:

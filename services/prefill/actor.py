@@ -25,7 +25,8 @@ import torch
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import KVExport, StateCheckpoint
-from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.factory import make_engine
+from hybridpd.engine.vllm.engine import VllmHandoff
 from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
@@ -61,7 +62,7 @@ class PrefillWorker(WorkerBase):
     ) -> None:
         self.cfg = cfg
         self.name = name
-        self.engine = NativeEngine(cfg, export_checkpoints=bool(mooncake_master))
+        self.engine = make_engine(cfg, "prefill", export_checkpoints=bool(mooncake_master))
         self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url else None
         self.store = (
             CheckpointStore(mooncake_master, metadata_url, self.engine.model_id, local_host=_store_host(cfg))
@@ -126,7 +127,7 @@ class PrefillWorker(WorkerBase):
         result = PrefillResult(
             request_id=req.request_id,
             instance=self.name,
-            first_token_id=out.new_token_ids[0],
+            first_token_id=out.new_token_ids[0] if out.new_token_ids else None,
             finish_reason=None if out.finish_reason is None else str(out.finish_reason),
             num_prompt_tokens=out.num_prompt_tokens,
             num_cached_tokens=out.num_cached_tokens,
@@ -134,6 +135,8 @@ class PrefillWorker(WorkerBase):
         )
         if handoff is None:
             return result
+        if isinstance(handoff, VllmHandoff):  # vLLM's NixlConnector moves the KV itself
+            return PrefillResult(**{**_fields(result), "transfer_params": handoff.kv_transfer_params})
         desc = self.handoffs.offer(handoff.buffers(), req.request_id)
         if self.corrupt_next:  # fault injection: flip a byte after the checksum was taken
             self.corrupt_next = False
@@ -153,9 +156,10 @@ class PrefillWorker(WorkerBase):
 
     def _maybe_load(self, cmd: PrefillCommand) -> int:
         """Import the store hit when it beats the local cache. Returns tokens loaded."""
-        req, u = cmd.request, self.engine.unit
-        if self.store is None or cmd.store_hit <= 0:
+        req = cmd.request
+        if self.store is None or cmd.store_hit <= 0 or not self.engine.imports_checkpoints:
             return 0
+        u = self.engine.unit
         tokens = list(req.prompt_token_ids)
         with self.loop.lock:
             local = self.engine.local_hit(tokens, req.cache_salt)
@@ -221,7 +225,7 @@ class PrefillWorker(WorkerBase):
                 logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
 
     def _publish_local(self, req) -> None:
-        if self.index is None:
+        if self.index is None or not self.engine.imports_checkpoints:  # vLLM: its KV events feed the index
             return
         with self.loop.lock:
             kv, st = self.engine.cached_hashes(list(req.prompt_token_ids), req.cache_salt)
@@ -243,7 +247,7 @@ class PrefillWorker(WorkerBase):
     def load(self) -> InstanceLoad:
         with self.loop.lock:
             st = self.engine.stats()
-            queued = sum(s.num_prompt - s.num_computed for s in self.engine.scheduler.waiting)
+            queued = self.engine.queued_prompt_tokens()
         return InstanceLoad(queued_tokens=queued, running_requests=st.num_running, free_blocks=st.num_free_blocks)
 
     def stats(self) -> dict:

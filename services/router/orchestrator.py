@@ -195,7 +195,7 @@ class Orchestrator:
                 others = [x for x in sorted(self.prefill) if x != pr.instance] or [pr.instance]
                 retry = RouteDecision(others[0], 0, 0, 0, "retry")
                 pr2, _ = await self._prefill(req, retry, t_arrive)
-                if pr2.first_token_id != pr.first_token_id or pr2.descriptor is None:
+                if pr2.first_token_id != pr.first_token_id or not pr2.has_handoff:
                     raise UnavailableError(
                         "re-prefill of %s diverged from the token already sent" % req.request_id
                     ) from None
@@ -224,25 +224,29 @@ class Orchestrator:
             self.metrics.queue_time.observe(time.perf_counter() - t_arrive)
             pr, prefill_actor = await self._prefill(req, decision, t_arrive)
             now = time.perf_counter()
-            self.metrics.ttft.observe(now - t_arrive)
             last = now
             detok = IncrementalDetokenizer(self.tokenizer)
-            count = 1
-            text = detok.push([pr.first_token_id])
+            count = 0
             self.metrics.prompt_tokens.inc(n)
             self.metrics.cached_tokens.inc(pr.num_cached_tokens)
 
             def usage() -> Usage:
                 return Usage(n, pr.num_cached_tokens, count)
 
-            hit_stop = _find_stop(detok.emitted, stop)
-            if hit_stop is not None or pr.finish_reason is not None or pr.descriptor is None:
-                finished = True
-                status = "ok"
-                reason = "stop" if hit_stop is not None else (pr.finish_reason or "length")
-                yield Event((pr.first_token_id,), _trim(text, detok, hit_stop), True, reason, usage())
-                return
-            yield Event((pr.first_token_id,), text)
+            if pr.first_token_id is not None:  # native: prefill sampled the first token
+                self.metrics.ttft.observe(now - t_arrive)
+                count = 1
+                text = detok.push([pr.first_token_id])
+                hit_stop = _find_stop(detok.emitted, stop)
+                if hit_stop is not None or pr.finish_reason is not None or not pr.has_handoff:
+                    finished = True
+                    status = "ok"
+                    reason = "stop" if hit_stop is not None else (pr.finish_reason or "length")
+                    yield Event((pr.first_token_id,), _trim(text, detok, hit_stop), True, reason, usage())
+                    return
+                yield Event((pr.first_token_id,), text)
+            elif not pr.has_handoff:
+                raise UnavailableError("prefill of %s returned neither a token nor a handoff" % rid)
             logger.info(
                 "request %s: %d prompt tokens, %d cached (%s on %s)",
                 rid,
@@ -253,6 +257,8 @@ class Orchestrator:
             )
             async for decode_actor, chunk in self._decode(pr, req, decision, t_arrive):
                 self.running[rid] = (prefill_actor, decode_actor)
+                if count == 0 and chunk.token_ids:  # vLLM: decode produced the first token
+                    self.metrics.ttft.observe(time.perf_counter() - t_arrive)
                 count += len(chunk.token_ids)
                 now = time.perf_counter()
                 self.metrics.itl.observe(now - last)

@@ -75,6 +75,9 @@ class SpecStats:
 
 
 class NativeEngine:
+    #: checkpoints from the store can be imported (and cached blocks published by us)
+    imports_checkpoints = True
+
     def __init__(
         self,
         cfg: HybridPDConfig,
@@ -494,6 +497,10 @@ class NativeEngine:
         kv = [h for h in chain if self.kv_pool.lookup(h) is not None]
         st = [h for h in chain if self.state_pool.lookup(h) is not None]
         return kv, st
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens of waiting requests not computed yet (load for routing)."""
+        return sum(s.num_prompt - s.num_computed for s in self.scheduler.waiting)
 
     def stats(self) -> PoolStats:
         return PoolStats(

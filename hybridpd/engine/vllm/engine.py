@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, FinishReason, PoolStats, RequestId, RequestOutput
+from hybridpd.engine.native.engine import SpecStats
 from hybridpd.engine.vllm.args import Role, engine_kwargs
 from hybridpd.errors import InvalidRequestError
+from hybridpd.procs import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +62,9 @@ class _Live:
 class VllmEngine:
     """One vLLM engine in ``role`` (local, prefill or decode)."""
 
+    #: vLLM loads prefixes through its own connectors; its KV events feed the index
+    imports_checkpoints = False
+
     def __init__(
         self,
         cfg: HybridPDConfig,
@@ -66,9 +72,15 @@ class VllmEngine:
         role: Role = "local",
         *,
         kv_events_endpoint: str | None = None,
-        kv_cache_memory_bytes: int = 256 << 20,
+        kv_cache_memory_bytes: int = 1 << 30,
     ) -> None:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if cfg.device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_memory_bytes >> 30)))
+        if role != "local" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
+            # one NIXL side channel per engine process (the actors are separate processes)
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+            os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -81,6 +93,8 @@ class VllmEngine:
         logger.info("starting vLLM (%s) with %s", role, kw)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
         self.model_id = "vllm:%s" % model_dir.name
+        self.unit = cfg.prefix_match_unit
+        self.spec = SpecStats()  # vLLM reports speculative decoding in its own metrics
         self.live: dict[str, _Live] = {}
         self.handoffs: dict[str, VllmHandoff] = {}
         self.pending: list[RequestOutput] = []
@@ -139,7 +153,13 @@ class VllmEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.pending) or self.engine.has_unfinished_requests()
+        """Unfinished requests, or finished ones whose KV a connector still holds
+        (prefill keeps blocks until decode's NIXL read is acknowledged: only
+        stepping the engine core processes that acknowledgement and frees them)."""
+        if self.pending or self.engine.has_unfinished_requests():
+            return True
+        core = self._core()
+        return core is not None and core.scheduler.has_requests()
 
     # -- stepping ----------------------------------------------------------------------
     @staticmethod
@@ -152,6 +172,8 @@ class VllmEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self.pending = self.pending, []
+        if not self.live and not outputs:
+            time.sleep(0.005)  # only connector bookkeeping left: poll it, do not spin
         for out in self.engine.step():
             live = self.live.get(out.request_id)
             if live is None:  # aborted meanwhile
@@ -187,9 +209,19 @@ class VllmEngine:
                 out[o.request_id].extend(o.new_token_ids)
         return out
 
+    def pop_exports(self) -> list:
+        """Checkpoints go to the store through vLLM's connector, not through us."""
+        return []
+
+    def queued_prompt_tokens(self) -> int:
+        return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)
+
     # -- accounting --------------------------------------------------------------------
+    def _core(self) -> Any:
+        return getattr(self.engine.engine_core, "engine_core", None)  # in-process client -> EngineCore
+
     def _block_pool(self) -> Any:
-        core = getattr(self.engine.engine_core, "engine_core", None)  # in-process client -> EngineCore
+        core = self._core()
         return core.scheduler.kv_cache_manager.block_pool if core is not None else None
 
     def stats(self) -> PoolStats:
