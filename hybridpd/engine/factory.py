@@ -26,12 +26,16 @@ def resolve_model(cfg: HybridPDConfig) -> Path | str:
     return resolve_model_dir(cfg.model)
 
 
-def make_engine(cfg: HybridPDConfig, role: Role, *, export_checkpoints: bool = False) -> Any:
-    """A ``NativeEngine`` or a ``VllmEngine`` for ``role``; both implement the engine protocol."""
+def make_engine(
+    cfg: HybridPDConfig, role: Role, *, export_checkpoints: bool = False, kv_events_endpoint: str | None = None
+) -> Any:
+    """A ``NativeEngine`` or a ``VllmEngine`` for ``role``; both implement the engine protocol.
+
+    ``kv_events_endpoint`` (vLLM only) makes the engine publish its KV-cache events there."""
     if cfg.engine == "vllm":
         from hybridpd.engine.vllm.engine import VllmEngine
 
-        return VllmEngine(cfg, Path(resolve_model(cfg)), role)
+        return VllmEngine(cfg, Path(resolve_model(cfg)), role, kv_events_endpoint=kv_events_endpoint)
     from hybridpd.engine.native.engine import NativeEngine
 
     return NativeEngine(cfg, export_checkpoints=export_checkpoints)

@@ -116,6 +116,11 @@ class PrefixIndex:
                 pipe.hdel(self.keys.local_st(instance), *[h.hex() for h in state_hashes])
             pipe.execute()
 
+    def clear_local(self, instance: str) -> None:
+        """Drop every local entry of ``instance`` (its engine cleared its cache)."""
+        with _mapped():
+            self.r.delete(self.keys.local_kv(instance), self.keys.local_st(instance))
+
     def heartbeat(self, instance: str, load: InstanceLoad) -> None:
         """Refresh liveness (and the TTL of the instance's local entries)."""
         with _mapped():

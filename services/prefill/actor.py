@@ -27,6 +27,7 @@ from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import KVExport, StateCheckpoint
 from hybridpd.engine.factory import make_engine
 from hybridpd.engine.vllm.engine import VllmHandoff
+from hybridpd.engine.vllm.kv_events import kv_events_endpoint
 from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
@@ -62,8 +63,15 @@ class PrefillWorker(WorkerBase):
     ) -> None:
         self.cfg = cfg
         self.name = name
-        self.engine = make_engine(cfg, "prefill", export_checkpoints=bool(mooncake_master))
+        events = kv_events_endpoint() if cfg.engine == "vllm" and redis_url else None
+        self.engine = make_engine(cfg, "prefill", export_checkpoints=bool(mooncake_master), kv_events_endpoint=events)
         self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url else None
+        self.kv_feed = None
+        if events is not None and self.index is not None:  # vLLM: its KV events feed the index
+            from hybridpd.engine.vllm.kv_events import KVEventFeed
+
+            self.kv_feed = KVEventFeed(self.index, name, self.engine.hasher)
+            self.kv_feed.start(events)
         self.store = (
             CheckpointStore(mooncake_master, metadata_url, self.engine.model_id, local_host=_store_host(cfg))
             if mooncake_master and metadata_url
@@ -225,7 +233,7 @@ class PrefillWorker(WorkerBase):
                 logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
 
     def _publish_local(self, req) -> None:
-        if self.index is None or not self.engine.imports_checkpoints:  # vLLM: its KV events feed the index
+        if self.index is None:
             return
         with self.loop.lock:
             kv, st = self.engine.cached_hashes(list(req.prompt_token_ids), req.cache_salt)
@@ -259,6 +267,8 @@ class PrefillWorker(WorkerBase):
 
     def close(self) -> None:
         self._stop.set()
+        if self.kv_feed is not None:
+            self.kv_feed.close()
         self.loop.close()
         self.handoffs.close()
         if self.store is not None:

@@ -69,3 +69,39 @@ def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> Non
                 got.extend(o.new_token_ids)
         q_out.put(got)
     q_out.put("bye")
+
+
+def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str | None]], max_tokens: int) -> None:  # type: ignore[no-untyped-def]
+    """A vLLM engine publishing KV events, mirrored into the index as instance
+    'vllm-0'; reports each request's cached tokens and the feed's counters."""
+    import time
+
+    from hybridpd.engine.vllm.kv_events import KVEventFeed, kv_events_endpoint
+    from hybridpd.index.prefix_index import PrefixIndex
+
+    endpoint = kv_events_endpoint()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from hybridpd.engine.vllm.engine import VllmEngine
+    from hybridpd.engine.vllm.tiny import resolve
+
+    eng = VllmEngine(load_config(env={}, overrides=BASE), resolve(), "local", kv_events_endpoint=endpoint)
+    feed = KVEventFeed(PrefixIndex(redis_url, eng.model_id), "vllm-0", eng.hasher)
+    feed.start(endpoint)
+    time.sleep(0.5)  # the subscriber joins before the first event
+    out: dict[str, Any] = {"model_id": eng.model_id}
+    for rid, toks, salt in prompts:
+        eng.add_request(req(rid, toks, max_tokens, salt))
+        cached = 0
+        while eng.has_work():
+            for o in eng.step():
+                cached = max(cached, o.num_cached_tokens)
+        out[rid] = cached
+        feed.index.publish_local("vllm-0", eng.cached_hashes(list(toks), salt)[0], ())  # as the prefill actor does
+        time.sleep(0.5)  # events are published after the step that stored the blocks
+    out["feed"] = {
+        "published_kv": feed.published_kv,
+        "published_states": feed.published_states,
+        "mismatches": feed.mismatches,
+    }
+    feed.close()
+    q_out.put(out)

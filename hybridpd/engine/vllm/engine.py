@@ -36,6 +36,7 @@ from hybridpd.engine.base import EngineRequest, FinishReason, PoolStats, Request
 from hybridpd.engine.native.engine import SpecStats
 from hybridpd.engine.vllm.args import Role, engine_kwargs
 from hybridpd.errors import InvalidRequestError
+from hybridpd.hashing import BlockHasher
 from hybridpd.procs import free_port
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,8 @@ class VllmEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if cfg.device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_memory_bytes >> 30)))
+        if kv_events_endpoint is not None:
+            os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"  # full hashes: they equal our chain
         if role != "local" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
             # one NIXL side channel per engine process (the actors are separate processes)
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
@@ -94,6 +97,7 @@ class VllmEngine:
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
         self.model_id = "vllm:%s" % model_dir.name
         self.unit = cfg.prefix_match_unit
+        self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
         self.spec = SpecStats()  # vLLM reports speculative decoding in its own metrics
         self.live: dict[str, _Live] = {}
         self.handoffs: dict[str, VllmHandoff] = {}
@@ -212,6 +216,17 @@ class VllmEngine:
     def pop_exports(self) -> list:
         """Checkpoints go to the store through vLLM's connector, not through us."""
         return []
+
+    def cached_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[list, list]:
+        """(KV unit hashes, state hashes) to publish for a prompt just prefilled here.
+
+        vLLM's KV events name its attention blocks and state checkpoints but not
+        the prefix_match_unit pieces between its last full attention block and a
+        partial checkpoint, so the prompt's full units are published from here;
+        the state checkpoints come from the events (``kv_events``)."""
+        if not self.cfg.enable_prefix_caching:
+            return [], []
+        return self.hasher.chain(token_ids, cache_salt=cache_salt), []
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)
