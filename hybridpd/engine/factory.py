@@ -27,15 +27,21 @@ def resolve_model(cfg: HybridPDConfig) -> Path | str:
 
 
 def make_engine(
-    cfg: HybridPDConfig, role: Role, *, export_checkpoints: bool = False, kv_events_endpoint: str | None = None
+    cfg: HybridPDConfig,
+    role: Role,
+    *,
+    export_checkpoints: bool = False,
+    kv_events_endpoint: str | None = None,
+    store: tuple[str, str] | None = None,
 ) -> Any:
     """A ``NativeEngine`` or a ``VllmEngine`` for ``role``; both implement the engine protocol.
 
-    ``kv_events_endpoint`` (vLLM only) makes the engine publish its KV-cache events there."""
+    vLLM only: ``kv_events_endpoint`` makes the engine publish its KV-cache events there;
+    ``store`` (Mooncake master, metadata URL) gives a prefill engine the shared prefix store."""
     if cfg.engine == "vllm":
         from hybridpd.engine.vllm.engine import VllmEngine
 
-        return VllmEngine(cfg, Path(resolve_model(cfg)), role, kv_events_endpoint=kv_events_endpoint)
+        return VllmEngine(cfg, Path(resolve_model(cfg)), role, kv_events_endpoint=kv_events_endpoint, store=store)
     from hybridpd.engine.native.engine import NativeEngine
 
     return NativeEngine(cfg, export_checkpoints=export_checkpoints)

@@ -64,7 +64,13 @@ class PrefillWorker(WorkerBase):
         self.cfg = cfg
         self.name = name
         events = kv_events_endpoint() if cfg.engine == "vllm" and redis_url else None
-        self.engine = make_engine(cfg, "prefill", export_checkpoints=bool(mooncake_master), kv_events_endpoint=events)
+        self.engine = make_engine(
+            cfg,
+            "prefill",
+            export_checkpoints=bool(mooncake_master),
+            kv_events_endpoint=events,
+            store=(mooncake_master, metadata_url) if mooncake_master and metadata_url else None,
+        )
         self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url else None
         self.kv_feed = None
         if events is not None and self.index is not None:  # vLLM: its KV events feed the index
@@ -74,7 +80,7 @@ class PrefillWorker(WorkerBase):
             self.kv_feed.start(events)
         self.store = (
             CheckpointStore(mooncake_master, metadata_url, self.engine.model_id, local_host=_store_host(cfg))
-            if mooncake_master and metadata_url
+            if mooncake_master and metadata_url and self.engine.imports_checkpoints  # vLLM: its connector
             else None
         )
         self.handoffs = HandoffServer(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -81,3 +82,16 @@ def test_prefix_hit_is_reported_in_usage_and_output_equals_no_cache(vstack: Stac
     assert cached >= 1280 and cached % 16 == 0, cached  # partial prefix at prefix_match_unit=16
     assert second.choices[0].token_ids == want["grown"]["tokens"]  # type: ignore[attr-defined]
     assert first.choices[0].token_ids == want["base"]["tokens"]  # type: ignore[attr-defined]
+
+
+def test_second_prefill_instance_loads_the_prefix_from_mooncake_store(vstack: Stack) -> None:
+    base = _tokens(1400, 21)
+    grown = base + _tokens(300, 22)
+    want = _local([("grown", grown)], 8, enable_prefix_caching=False)
+    first = _complete(vstack, base, 8, hybridpd_prefill_instance="prefill-0")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    time.sleep(2.0)  # vLLM's store connector saves asynchronously after the step
+    got = _complete(vstack, grown, 8, hybridpd_prefill_instance="prefill-1")
+    # prefill-1 never saw base: its hit came from MooncakeStore (vLLM's MooncakeStoreConnector)
+    assert got.usage.prompt_tokens_details.cached_tokens >= 1280
+    assert got.choices[0].token_ids == want["grown"]["tokens"]  # type: ignore[attr-defined]

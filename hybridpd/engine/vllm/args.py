@@ -8,9 +8,10 @@ three roles an engine can play:
 * ``decode``: NixlConnector ``kv_consumer``, plus speculative decoding when
   ``eagle`` is on.
 
-With a store configured (``mooncake_master``) the prefill side gets a
-MultiConnector: NixlConnector for the handoff, MooncakeStoreConnector for the
-shared prefix store.
+With a store (a Mooncake master) the prefill side gets a MultiConnector:
+NixlConnector for the handoff, MooncakeStoreConnector for the shared prefix
+store (vLLM reads the store's address from the JSON file named by
+``MOONCAKE_CONFIG_PATH``: see :func:`mooncake_config`).
 """
 
 from __future__ import annotations
@@ -29,17 +30,30 @@ def _nixl(role: str, device: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu" if device == "cpu" else "cuda"}
 
 
-def kv_transfer_config(cfg: HybridPDConfig, role: Role) -> dict[str, Any] | None:
-    """The ``kv_transfer_config`` of an engine in ``role`` (None for ``local``)."""
+def mooncake_config(master: str, metadata_url: str, segment_bytes: int = 256 << 20) -> dict[str, Any]:
+    """The MooncakeStoreConnector's config file (``MOONCAKE_CONFIG_PATH``) for one engine."""
+    return {
+        "metadata_server": metadata_url,
+        "master_server_address": master,
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": segment_bytes,
+        "local_buffer_size": 64 << 20,
+    }
+
+
+def kv_transfer_config(cfg: HybridPDConfig, role: Role, store: bool = False) -> dict[str, Any] | None:
+    """The ``kv_transfer_config`` of an engine in ``role`` (None for ``local``);
+    ``store``: a prefill engine also saves to / loads from MooncakeStore."""
     if role == "local":
         return None
     nixl = _nixl("kv_producer" if role == "prefill" else "kv_consumer", cfg.device)
-    if role == "prefill" and cfg.mooncake_master:
-        store = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
+    if role == "prefill" and store:
+        mooncake = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
         return {
             "kv_connector": "MultiConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"connectors": [nixl, store]},
+            "kv_connector_extra_config": {"connectors": [nixl, mooncake]},
         }
     return nixl
 
@@ -61,6 +75,7 @@ def engine_kwargs(
     *,
     kv_events_endpoint: str | None = None,
     kv_cache_memory_bytes: int | None = None,
+    store: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.engine.arg_utils.EngineArgs``.
 
@@ -88,7 +103,7 @@ def engine_kwargs(
         kw["prefix_match_unit"] = cfg.prefix_match_unit
     if kv_cache_memory_bytes is not None:
         kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-    transfer = kv_transfer_config(cfg, role)
+    transfer = kv_transfer_config(cfg, role, store)
     if transfer is not None:
         kw["kv_transfer_config"] = transfer
     spec = speculative_config(cfg, role, model_dir)

@@ -24,8 +24,10 @@ the model directory, so both sides tokenize identically).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,7 @@ from typing import Any
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, FinishReason, PoolStats, RequestId, RequestOutput
 from hybridpd.engine.native.engine import SpecStats
-from hybridpd.engine.vllm.args import Role, engine_kwargs
+from hybridpd.engine.vllm.args import Role, engine_kwargs, mooncake_config
 from hybridpd.errors import InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import free_port
@@ -74,12 +76,19 @@ class VllmEngine:
         *,
         kv_events_endpoint: str | None = None,
         kv_cache_memory_bytes: int = 1 << 30,
+        store: tuple[str, str] | None = None,
     ) -> None:
+        """``store``: (Mooncake master, metadata URL) for a prefill engine's shared
+        prefix store (MooncakeStoreConnector beside the NixlConnector)."""
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if cfg.device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_memory_bytes >> 30)))
         if kv_events_endpoint is not None:
             os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"  # full hashes: they equal our chain
+        if store is not None and role == "prefill":
+            path = Path(tempfile.mkdtemp(prefix="hybridpd-mooncake-")) / "mooncake.json"
+            path.write_text(json.dumps(mooncake_config(*store)))
+            os.environ["MOONCAKE_CONFIG_PATH"] = str(path)
         if role != "local" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
             # one NIXL side channel per engine process (the actors are separate processes)
             os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
@@ -91,7 +100,12 @@ class VllmEngine:
         self.role = role
         self.model_dir = model_dir
         kw = engine_kwargs(
-            cfg, model_dir, role, kv_events_endpoint=kv_events_endpoint, kv_cache_memory_bytes=kv_cache_memory_bytes
+            cfg,
+            model_dir,
+            role,
+            kv_events_endpoint=kv_events_endpoint,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            store=store is not None and role == "prefill",
         )
         logger.info("starting vLLM (%s) with %s", role, kw)
         self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
