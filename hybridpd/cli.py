@@ -179,7 +179,9 @@ def bench() -> None:
     "--variant",
     "variants",
     multiple=True,
-    help="Run only these variants (partial, aligned, nocache, roundrobin, partial_eagle, aligned_eagle).",
+    help="Run only these variants (partial, aligned, nocache, roundrobin, partial_eagle, aligned_eagle,"
+    " vllm-direct, vllm-partial) and merge them into the same workload's results already in --json."
+    " vllm-* need the vLLM environment (make bootstrap-vllm).",
 )
 def bench_growing_streams(json_path: str, quick: bool, url: str | None, variants: tuple[str, ...]) -> None:
     """Long prompts growing every round, in several caching/routing variants."""

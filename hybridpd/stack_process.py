@@ -18,8 +18,16 @@ from hybridpd.procs import free_port
 
 
 class StackProcess:
-    def __init__(self, workdir: Path, extra_args: list[str] | None = None, start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        extra_args: list[str] | None = None,
+        start_timeout_s: float = 300.0,
+        exe: Path | None = None,
+    ) -> None:
+        """``exe``: the ``hybridpd`` executable (default: the one beside this Python)."""
         self.workdir = workdir
+        self.exe = exe or Path(sys.executable).parent / "hybridpd"
         self.http_port, self.grpc_port, self.dashboard_port = free_port(), free_port(), free_port()
         self.ray_metrics_port = free_port()
         self.extra_args = extra_args or []
@@ -57,9 +65,8 @@ class StackProcess:
 
     def _start_once(self) -> StackProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        exe = Path(sys.executable).parent / "hybridpd"
         argv = [
-            str(exe),
+            str(self.exe),
             "up",
             "--workdir",
             str(self.workdir),

@@ -27,5 +27,13 @@ step python3 -m pytest -p no:cacheprovider -o addopts= -q -rA --junitxml="$out/g
 for dt in float32 bfloat16; do
   step python3 -m hybridpd.benchmarks.gpu_check --device cuda --dtype "$dt" --json "$out/gpu_check_$dt.json"
 done
+# The vLLM GPU tier: the same tests/vllm as on CPU, on CUDA. vLLM is not in the
+# lent machines' image and its CUDA wheel is larger than what may travel there,
+# so this runs only where vLLM is installed.
+if python3 -c "import vllm" 2>/dev/null; then
+  step env HYBRIDPD_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -o addopts= -q -rA tests/vllm
+else
+  echo "== vLLM is not installed here: vLLM GPU tier skipped"
+fi
 echo "== gpu_check.sh finished with status $status"
 exit $status

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_TIER_BY_DIR = {"unit": "unit", "integration": "integration", "e2e": "e2e", "gpu": "gpu"}
+_TIER_BY_DIR = {"unit": "unit", "integration": "integration", "e2e": "e2e", "gpu": "gpu", "vllm": "vllm"}
 
 
 def _cuda_available() -> bool:

@@ -10,7 +10,14 @@ is D. Variants (each on a fresh ``hybridpd up``, same workload):
 * ``aligned``: checkpoints only at Mamba-block boundaries (u = B);
 * ``nocache``: prefix caching off;
 * ``roundrobin``: partial, but routing ignores the index;
-* ``partial_eagle`` / ``aligned_eagle``: the first two with EAGLE on.
+* ``partial_eagle`` / ``aligned_eagle``: the first two with EAGLE on;
+* ``vllm-direct``: plain ``vllm serve`` (no hybridpd) with the tiny Qwen3-Next,
+  prefix caching at unit u, the baseline users would otherwise run;
+* ``vllm-partial``: our stack with ``--engine vllm`` and the same model, so it
+  compares with ``vllm-direct`` model for model.
+
+The two vLLM variants need the vLLM environment (``make bootstrap-vllm``);
+without it they are left out, with a note in the JSON.
 """
 
 from __future__ import annotations
@@ -60,7 +67,30 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "roundrobin": ["--prefix-match-unit", u, "--routing", "round_robin", *common],
         "partial_eagle": ["--prefix-match-unit", u, "--eagle", *common],
         "aligned_eagle": ["--prefix-match-unit", b, "--eagle", *common],
+        "vllm-direct": [],  # not our stack: see _run_variant
+        "vllm-partial": ["--engine", "vllm", "--dtype", "bfloat16", "--prefix-match-unit", u, *common],
     }
+
+
+VLLM_VARIANTS = ("vllm-direct", "vllm-partial")
+
+
+def _run_variant(name: str, args: list[str], w: Workload, tmp: Path) -> dict[str, Any]:
+    from hybridpd.benchmarks.vllm_direct import VllmServer, vllm_venv
+
+    if name not in VLLM_VARIANTS:
+        with StackProcess(tmp, args) as st:
+            return run_workload(st.http, w, name)
+    venv = vllm_venv()
+    if venv is None:
+        raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
+    if name == "vllm-direct":
+        with VllmServer(venv, tmp, w.unit, max(16384, w.end + 64)) as srv:
+            return run_workload(srv.http, w, name)
+    with StackProcess(
+        tmp, [*args, "--max-num-batched-tokens", str(max(16384, w.end + 64))], 900, venv / "bin" / "hybridpd"
+    ) as st:
+        return run_workload(st.http, w, name)
 
 
 def _one(url: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
@@ -138,19 +168,38 @@ def _ratios(v: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
     }
 
 
+def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
+    """Variants already in ``json_path`` for this same workload (``--variant`` reruns merge into them)."""
+    try:
+        old = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("workload") != asdict(w) or old.get("quick") != quick:
+        return {}
+    return {k: {m: x for m, x in v.items() if not m.startswith("vs_")} for k, v in old.get("variants", {}).items()}
+
+
 def run(json_path: Path, quick: bool, url: str | None = None, only: list[str] | None = None) -> dict[str, Any]:
+    """Run the variants (all, or ``only`` these: then merged into the same workload's
+    earlier results in ``json_path``), write JSON + PNG + markdown."""
     w = QUICK if quick else Workload()
     results: dict[str, Any] = {}
+    notes: dict[str, str] = {}
     if url is not None:
         results["external"] = run_workload(url, w, "external")
     else:
         for name, args in variants(w).items():
             if only and name not in only:
                 continue
-            with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp, StackProcess(Path(tmp), args) as st:
-                results[name] = run_workload(st.http, w, name)
+            with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
+                try:
+                    results[name] = _run_variant(name, args, w, Path(tmp))
+                except FileNotFoundError as exc:
+                    notes[name] = "left out: %s" % exc
+        if only:
+            results = {**_previous(json_path, w, quick), **results}
     for name, v in results.items():
-        for base in ("nocache", "aligned"):
+        for base in ("nocache", "aligned", "vllm-direct"):
             if base in results and name != base:
                 v["vs_" + base] = _ratios(v, results[base])
     checks = {}
@@ -165,7 +214,11 @@ def run(json_path: Path, quick: bool, url: str | None = None, only: list[str] | 
         checks["partial_caches_more_than_aligned"] = (
             results["partial"]["cached_tokens_per_request"] > results["aligned"]["cached_tokens_per_request"]
         )
-    out = {"workload": asdict(w), "quick": quick, "variants": results, "checks": checks}
+    if "vllm-partial" in results and "vllm-direct" in results:
+        checks["vllm_partial_ttft_p50_vs_vllm_direct"] = (
+            results["vllm-partial"]["ttft_p50_ms"] / results["vllm-direct"]["ttft_p50_ms"]
+        )
+    out = {"workload": asdict(w), "quick": quick, "variants": results, "checks": checks, "notes": notes}
     _write(json_path, out)
     return out
 

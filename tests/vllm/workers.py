@@ -9,7 +9,14 @@ from typing import Any
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 
-BASE = {"engine": "vllm", "dtype": "bfloat16", "max_model_len": 8192, "max_num_batched_tokens": 8192}
+#: HYBRIDPD_TEST_DEVICE=cuda runs the same tests on a GPU (scripts/gpu_check.sh)
+BASE = {
+    "engine": "vllm",
+    "dtype": "bfloat16",
+    "device": os.environ.get("HYBRIDPD_TEST_DEVICE", "cpu"),
+    "max_model_len": 8192,
+    "max_num_batched_tokens": 8192,
+}
 
 
 def _engine(role: str, overrides: dict[str, Any], side_port: int | None = None):  # type: ignore[no-untyped-def]

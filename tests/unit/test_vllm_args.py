@@ -1,0 +1,63 @@
+"""Our config -> vLLM EngineArgs keyword arguments (no vLLM needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hybridpd.config import load_config
+from hybridpd.engine.vllm.args import engine_kwargs, kv_transfer_config, mooncake_config
+from hybridpd.errors import ConfigError
+
+MODEL = Path("/models/qwen3-next")
+
+
+def _cfg(**kw: object):  # type: ignore[no-untyped-def]
+    return load_config(env={}, overrides={"engine": "vllm", **kw})
+
+
+def test_caching_and_hybrid_settings_map_onto_vllm() -> None:
+    kw = engine_kwargs(_cfg(prefix_match_unit=128, mamba_block_size=1024, hash_algo="xxhash_cbor", dtype="bfloat16"), MODEL, "local")
+    assert kw["model"] == str(MODEL) and kw["dtype"] == "bfloat16"
+    assert kw["enable_prefix_caching"] is True and kw["mamba_cache_mode"] == "align"
+    assert kw["prefix_match_unit"] == 128 and kw["prefix_caching_hash_algo"] == "xxhash_cbor"
+    assert "kv_transfer_config" not in kw and "speculative_config" not in kw
+    off = engine_kwargs(_cfg(enable_prefix_caching=False), MODEL, "local")
+    assert off["enable_prefix_caching"] is False and "mamba_cache_mode" not in off
+
+
+def test_roles_get_nixl_producer_consumer_and_store() -> None:
+    cfg = _cfg()
+    assert kv_transfer_config(cfg, "local") is None
+    assert kv_transfer_config(cfg, "prefill") == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_producer",
+        "kv_buffer_device": "cpu",
+    }
+    assert kv_transfer_config(_cfg(device="cuda"), "decode")["kv_buffer_device"] == "cuda"  # type: ignore[index]
+    multi = kv_transfer_config(cfg, "prefill", store=True)
+    assert multi is not None and multi["kv_connector"] == "MultiConnector"
+    names = [c["kv_connector"] for c in multi["kv_connector_extra_config"]["connectors"]]
+    assert names == ["NixlConnector", "MooncakeStoreConnector"]
+    assert kv_transfer_config(cfg, "decode", store=True)["kv_connector"] == "NixlConnector"  # type: ignore[index]
+    mc = mooncake_config("10.0.0.1:50061", "http://10.0.0.1:8080/metadata")
+    assert mc["master_server_address"] == "10.0.0.1:50061" and mc["protocol"] == "tcp"
+
+
+def test_eagle_on_decode_needs_a_draft(tmp_path: Path) -> None:
+    cfg = _cfg(eagle=True, num_speculative_tokens=4)
+    with pytest.raises(ConfigError, match="EAGLE draft"):
+        engine_kwargs(cfg, tmp_path, "decode")
+    (tmp_path / "eagle").mkdir()
+    spec = engine_kwargs(cfg, tmp_path, "decode")["speculative_config"]
+    assert spec == {"method": "eagle", "model": str(tmp_path / "eagle"), "num_speculative_tokens": 4}
+    assert "speculative_config" not in engine_kwargs(cfg, tmp_path, "prefill")
+
+
+def test_kv_events_and_unknown_role() -> None:
+    kw = engine_kwargs(_cfg(), MODEL, "prefill", kv_events_endpoint="ipc:///tmp/x.sock")
+    assert kw["kv_events_config"]["endpoint"] == "ipc:///tmp/x.sock"
+    assert kw["kv_events_config"]["enable_kv_cache_events"] is True
+    with pytest.raises(ConfigError):
+        engine_kwargs(_cfg(), MODEL, "both")  # type: ignore[arg-type]
