@@ -183,13 +183,32 @@ def bench() -> None:
     " vllm-direct, vllm-partial) and merge them into the same workload's results already in --json."
     " vllm-* need the vLLM environment (make bootstrap-vllm).",
 )
-def bench_growing_streams(json_path: str, quick: bool, url: str | None, variants: tuple[str, ...]) -> None:
+@click.option(
+    "--workload",
+    "workload",
+    multiple=True,
+    metavar="FIELD=INT",
+    help="Override the workload: streams, start, step, end, max_tokens, unit, mamba_block_size, seed"
+    " (e.g. --workload start=120000 --workload end=164000 --workload step=2000 --workload unit=128).",
+)
+def bench_growing_streams(
+    json_path: str, quick: bool, url: str | None, variants: tuple[str, ...], workload: tuple[str, ...]
+) -> None:
     """Long prompts growing every round, in several caching/routing variants."""
     from pathlib import Path
 
     from hybridpd.benchmarks import growing_streams
 
-    out = growing_streams.run(Path(json_path), quick, url, list(variants) or None)
+    overrides = {}
+    for item in workload:
+        key, sep, value = item.partition("=")
+        if not sep or key not in growing_streams.Workload.__dataclass_fields__ or not value.isdigit():
+            raise click.BadParameter(
+                "expected FIELD=INT with FIELD one of %s, got %r"
+                % (", ".join(growing_streams.Workload.__dataclass_fields__), item)
+            )
+        overrides[key] = int(value)
+    out = growing_streams.run(Path(json_path), quick, url, list(variants) or None, overrides)
     click.echo(Path(json_path).with_suffix(".md").read_text())
     click.echo("checks: %s" % out["checks"])
     click.echo("wrote %s (+ .png, .md)" % json_path)

@@ -23,6 +23,7 @@ without it they are left out, with a note in the JSON.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import random
 import statistics
@@ -179,10 +180,17 @@ def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
     return {k: {m: x for m, x in v.items() if not m.startswith("vs_")} for k, v in old.get("variants", {}).items()}
 
 
-def run(json_path: Path, quick: bool, url: str | None = None, only: list[str] | None = None) -> dict[str, Any]:
+def run(
+    json_path: Path,
+    quick: bool,
+    url: str | None = None,
+    only: list[str] | None = None,
+    overrides: dict[str, int] | None = None,
+) -> dict[str, Any]:
     """Run the variants (all, or ``only`` these: then merged into the same workload's
-    earlier results in ``json_path``), write JSON + PNG + markdown."""
-    w = QUICK if quick else Workload()
+    earlier results in ``json_path``), write JSON + PNG + markdown. ``overrides``
+    replace workload fields (``--workload``)."""
+    w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
     results: dict[str, Any] = {}
     notes: dict[str, str] = {}
     if url is not None:

@@ -67,3 +67,14 @@ def test_console_script_installed() -> None:
     exe = Path(sys.executable).parent / "hybridpd"
     out = subprocess.run([str(exe), "version"], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == __version__
+
+
+def test_bench_workload_overrides_are_checked() -> None:
+    from click.testing import CliRunner
+
+    from hybridpd.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "growing-streams", "--workload", "bogus=3"])
+    assert res.exit_code == 2 and "expected FIELD=INT" in res.output
+    res = CliRunner().invoke(cli, ["bench", "growing-streams", "--workload", "start=x"])
+    assert res.exit_code == 2

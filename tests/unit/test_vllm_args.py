@@ -18,7 +18,9 @@ def _cfg(**kw: object):  # type: ignore[no-untyped-def]
 
 
 def test_caching_and_hybrid_settings_map_onto_vllm() -> None:
-    kw = engine_kwargs(_cfg(prefix_match_unit=128, mamba_block_size=1024, hash_algo="xxhash_cbor", dtype="bfloat16"), MODEL, "local")
+    kw = engine_kwargs(
+        _cfg(prefix_match_unit=128, mamba_block_size=1024, hash_algo="xxhash_cbor", dtype="bfloat16"), MODEL, "local"
+    )
     assert kw["model"] == str(MODEL) and kw["dtype"] == "bfloat16"
     assert kw["enable_prefix_caching"] is True and kw["mamba_cache_mode"] == "align"
     assert kw["prefix_match_unit"] == 128 and kw["prefix_caching_hash_algo"] == "xxhash_cbor"
