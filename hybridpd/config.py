@@ -57,6 +57,10 @@ class HybridPDConfig(BaseModel):
     # -- EAGLE speculative decoding
     eagle: bool = Field(False, description="EAGLE speculative decoding on decode.")
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="Draft tokens k per step.")
+    speculative_method: Literal["eagle", "eagle3", "mtp"] = Field(
+        "eagle",
+        description="Draft method: eagle (native and vllm), eagle3 or mtp (vllm; mtp uses the model's own MTP layers).",
+    )
 
     # -- serving
     host: str = Field("127.0.0.1", description="Bind address of the router.")
@@ -122,6 +126,10 @@ class HybridPDConfig(BaseModel):
             )
         if self.device == "cuda" and self.actor_placement == "worker_groups" and self.actor_num_gpus == 0:
             raise ConfigError("actor_num_gpus", "must be > 0 when device is cuda on Ray worker groups")
+        if self.engine == "native" and self.speculative_method != "eagle":
+            raise ConfigError(
+                "speculative_method", "the native engine implements eagle only, got %r" % self.speculative_method
+            )
         if self.http_port == self.grpc_port:
             raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
         if self.mooncake_master is not None and not _is_host_port(self.mooncake_master):

@@ -63,3 +63,15 @@ def test_kv_events_and_unknown_role() -> None:
     assert kw["kv_events_config"]["enable_kv_cache_events"] is True
     with pytest.raises(ConfigError):
         engine_kwargs(_cfg(), MODEL, "both")  # type: ignore[arg-type]
+
+
+def test_eagle3_and_mtp(tmp_path: Path) -> None:
+    mtp = engine_kwargs(_cfg(eagle=True, speculative_method="mtp"), tmp_path, "decode")["speculative_config"]
+    assert mtp == {"method": "mtp", "num_speculative_tokens": 3}
+    with pytest.raises(ConfigError, match="EAGLE3 draft"):
+        engine_kwargs(_cfg(eagle=True, speculative_method="eagle3"), tmp_path, "decode")
+    (tmp_path / "eagle3").mkdir()
+    e3 = engine_kwargs(_cfg(eagle=True, speculative_method="eagle3"), tmp_path, "decode")["speculative_config"]
+    assert e3["method"] == "eagle3" and e3["model"] == str(tmp_path / "eagle3")
+    with pytest.raises(ConfigError, match="eagle only"):
+        load_config(env={}, overrides={"speculative_method": "mtp"})

@@ -59,13 +59,17 @@ def kv_transfer_config(cfg: HybridPDConfig, role: Role, store: bool = False) -> 
 
 
 def speculative_config(cfg: HybridPDConfig, role: Role, model_dir: Path) -> dict[str, Any] | None:
-    """EAGLE on decode (and on a local engine): the draft lives at ``<model>/eagle``."""
+    """Speculative decoding on decode (and on a local engine) when ``eagle`` is on:
+    EAGLE / EAGLE3 with the draft at ``<model>/eagle`` (or ``<model>/eagle3``), or
+    MTP with the model's own multi-token-prediction layers."""
     if not cfg.eagle or role == "prefill":
         return None
-    draft = model_dir / "eagle"
+    if cfg.speculative_method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": cfg.num_speculative_tokens}
+    draft = model_dir / cfg.speculative_method
     if not draft.exists():
-        raise ConfigError("eagle", "engine vllm needs an EAGLE draft model at %s" % draft)
-    return {"method": "eagle", "model": str(draft), "num_speculative_tokens": cfg.num_speculative_tokens}
+        raise ConfigError("eagle", "engine vllm needs a %s draft model at %s" % (cfg.speculative_method.upper(), draft))
+    return {"method": cfg.speculative_method, "model": str(draft), "num_speculative_tokens": cfg.num_speculative_tokens}
 
 
 def engine_kwargs(
