@@ -5,39 +5,23 @@ NixlConnector between two engine processes (equal to a local run)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from hybridpd.procs import free_port
-from tests.vllm.workers import decode_worker, local_worker, prefill_worker
+from tests.vllm.workers import decode_worker, prefill_worker, run_local, tokens
 
 CTX = mp.get_context("spawn")
 
 
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 2048) for _ in range(n)]
-
-
-def _local(prompts: list[tuple[str, list[int]]], max_tokens: int, **overrides: object) -> dict:
-    q = CTX.Queue()
-    p = CTX.Process(target=local_worker, args=(q, prompts, max_tokens, overrides))
-    p.start()
-    try:
-        return q.get(timeout=600)
-    finally:
-        p.join(60)
-
-
 def test_prefix_hit_is_reported_and_output_equals_no_cache() -> None:
-    base = _tokens(1500, 1)
-    grown = base + _tokens(200, 2)
+    base = tokens(1500, 1)
+    grown = base + tokens(200, 2)
     prompts = [("base", base), ("grown", grown)]
-    cached = _local(prompts, 12)
-    plain = _local(prompts, 12, enable_prefix_caching=False)
+    cached = run_local(prompts, 12)
+    plain = run_local(prompts, 12, enable_prefix_caching=False)
     assert cached["base"]["cached"] == 0
     # partial-prefix caching at prefix_match_unit=16 inside vLLM's 640-token attention blocks
     assert cached["grown"]["cached"] >= 1280, cached["grown"]
@@ -48,8 +32,8 @@ def test_prefix_hit_is_reported_and_output_equals_no_cache() -> None:
 
 
 def test_prefill_decode_over_nixl_equals_local_run() -> None:
-    prompts = [("pd%d" % i, _tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
-    want = _local(prompts, 10)  # same settings as the P/D engines (bf16 random weights: near-ties everywhere)
+    prompts = [("pd%d" % i, tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
+    want = run_local(prompts, 10)  # same settings as the P/D engines (bf16 random weights: near-ties everywhere)
     qp_in, qp_out, qd_in, qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
     pre = CTX.Process(target=prefill_worker, args=(qp_in, qp_out, free_port(), {}))
     dec = CTX.Process(target=decode_worker, args=(qd_in, qd_out, free_port(), {}))

@@ -5,8 +5,6 @@ recurrent state move over vLLM's NixlConnector; outputs equal a local vLLM run."
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,25 +16,9 @@ pytest.importorskip("vllm")
 from openai import OpenAI
 
 from tests.e2e.conftest import Stack
-from tests.vllm.workers import local_worker
+from tests.vllm.workers import run_local, tokens
 
-CTX = mp.get_context("spawn")
 ARGS = ["--engine", "vllm", "--dtype", "bfloat16", "--max-model-len", "8192", "--max-num-batched-tokens", "8192"]
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(5, 2048) for _ in range(n)]
-
-
-def _local(prompts: list[tuple[str, list[int]]], max_tokens: int, **overrides: object) -> dict:
-    q = CTX.Queue()
-    p = CTX.Process(target=local_worker, args=(q, prompts, max_tokens, overrides))
-    p.start()
-    try:
-        return q.get(timeout=600)
-    finally:
-        p.join(60)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +43,8 @@ def _complete(stack: Stack, tokens: list[int], max_tokens: int, **extra: object)
 
 
 def test_prefill_decode_through_the_actors_equals_local_vllm(vstack: Stack) -> None:
-    prompts = [("s%d" % i, _tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
-    want = _local(prompts, 10)
+    prompts = [("s%d" % i, tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
+    want = run_local(prompts, 10)
     for rid, toks in prompts:
         got = _complete(vstack, toks, 10)
         assert got.choices[0].token_ids == want[rid]["tokens"], rid  # type: ignore[attr-defined]
@@ -72,9 +54,9 @@ def test_prefill_decode_through_the_actors_equals_local_vllm(vstack: Stack) -> N
 
 
 def test_prefix_hit_is_reported_in_usage_and_output_equals_no_cache(vstack: Stack) -> None:
-    base = _tokens(1500, 1)
-    grown = base + _tokens(200, 2)
-    want = _local([("base", base), ("grown", grown)], 12, enable_prefix_caching=False)
+    base = tokens(1500, 1)
+    grown = base + tokens(200, 2)
+    want = run_local([("base", base), ("grown", grown)], 12, enable_prefix_caching=False)
     first = _complete(vstack, base, 12, hybridpd_prefill_instance="prefill-0")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = _complete(vstack, grown, 12, hybridpd_prefill_instance="prefill-0")
@@ -85,9 +67,9 @@ def test_prefix_hit_is_reported_in_usage_and_output_equals_no_cache(vstack: Stac
 
 
 def test_second_prefill_instance_loads_the_prefix_from_mooncake_store(vstack: Stack) -> None:
-    base = _tokens(1400, 21)
-    grown = base + _tokens(300, 22)
-    want = _local([("grown", grown)], 8, enable_prefix_caching=False)
+    base = tokens(1400, 21)
+    grown = base + tokens(300, 22)
+    want = run_local([("grown", grown)], 8, enable_prefix_caching=False)
     first = _complete(vstack, base, 8, hybridpd_prefill_instance="prefill-0")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     time.sleep(2.0)  # vLLM's store connector saves asynchronously after the step

@@ -112,3 +112,25 @@ def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str
     }
     feed.close()
     q_out.put(out)
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    """``n`` random token ids (outside the special ids), reproducible from ``seed``."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(5, 2048) for _ in range(n)]
+
+
+def run_local(prompts: list[tuple[str, list[int]]], max_tokens: int, **overrides: Any) -> dict:
+    """``local_worker`` in a fresh spawned process (one vLLM engine per process)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=local_worker, args=(q, prompts, max_tokens, overrides))
+    p.start()
+    try:
+        return q.get(timeout=600)
+    finally:
+        p.join(60)

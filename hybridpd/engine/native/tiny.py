@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from hybridpd.engine.native.model_config import HybridModelConfig
@@ -43,17 +44,13 @@ def _digest() -> str:
     return h.hexdigest()[:12]
 
 
-def build_tiny(out: Path) -> Path:
-    """Write the tiny model into ``out`` (atomically: built aside, then renamed)."""
+def build_atomically(out: Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp_dir)`` beside ``out``, then rename it to ``out`` (a concurrent
+    builder that wins the race is kept; ours is dropped)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
     try:
-        (tmp / "config.json").write_text(TINY_CONFIG.to_json())
-        weights = init_weights(TINY_CONFIG, TINY_SEED)
-        save_weights(tmp / "model.safetensors", weights, {"sha256": weights_digest(weights)})
-        for name in ASSET_FILES:
-            if (ASSETS / name).exists():
-                shutil.copy(ASSETS / name, tmp / name)
+        write(tmp)
         try:
             tmp.rename(out)
         except OSError:  # another process won the race
@@ -62,6 +59,20 @@ def build_tiny(out: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def build_tiny(out: Path) -> Path:
+    """Write the tiny model into ``out`` (atomically: built aside, then renamed)."""
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(TINY_CONFIG.to_json())
+        weights = init_weights(TINY_CONFIG, TINY_SEED)
+        save_weights(tmp / "model.safetensors", weights, {"sha256": weights_digest(weights)})
+        for name in ASSET_FILES:
+            if (ASSETS / name).exists():
+                shutil.copy(ASSETS / name, tmp / name)
+
+    return build_atomically(out, write)
 
 
 def resolve_model_dir(model: str) -> Path:

@@ -15,11 +15,10 @@ import argparse
 import hashlib
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 from hybridpd.engine.native.tiny import ASSETS as NATIVE_ASSETS
-from hybridpd.engine.native.tiny import home
+from hybridpd.engine.native.tiny import build_atomically, home
 
 CONFIG = Path(__file__).parent / "assets" / "tiny-qwen3next.json"
 SEED = 1234
@@ -38,9 +37,7 @@ def build(out: Path) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
-    try:
+    def write(tmp: Path) -> None:
         torch.manual_seed(SEED)
         config = AutoConfig.for_model(**json.loads(CONFIG.read_text()))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -49,14 +46,8 @@ def build(out: Path) -> Path:
         tok_cfg = json.loads((NATIVE_ASSETS / "tokenizer_config.json").read_text())
         tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # so HF/vLLM load the same tokenizer
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return build_atomically(out, write)
 
 
 def resolve() -> Path:
