@@ -148,6 +148,8 @@ class PrefillWorker(WorkerBase):
             loaded_from_store=loaded,
         )
         if handoff is None:
+            if result.first_token_id is None:  # vLLM finished the prefill without a handoff (failed)
+                raise UnavailableError("prefill of %s on %s produced no handoff" % (req.request_id, self.name))
             return result
         if isinstance(handoff, VllmHandoff):  # vLLM's NixlConnector moves the KV itself
             return PrefillResult(**{**_fields(result), "transfer_params": handoff.kv_transfer_params})

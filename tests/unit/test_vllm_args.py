@@ -36,10 +36,12 @@ def test_roles_get_nixl_producer_consumer_and_store() -> None:
         "kv_connector": "NixlConnector",
         "kv_role": "kv_producer",
         "kv_buffer_device": "cpu",
+        "kv_load_failure_policy": "recompute",  # a failing cache path degrades to recompute
     }
     assert kv_transfer_config(_cfg(device="cuda"), "decode")["kv_buffer_device"] == "cuda"  # type: ignore[index]
     multi = kv_transfer_config(cfg, "prefill", store=True)
     assert multi is not None and multi["kv_connector"] == "MultiConnector"
+    assert multi["kv_load_failure_policy"] == "recompute"
     names = [c["kv_connector"] for c in multi["kv_connector_extra_config"]["connectors"]]
     assert names == ["NixlConnector", "MooncakeStoreConnector"]
     assert kv_transfer_config(cfg, "decode", store=True)["kv_connector"] == "NixlConnector"  # type: ignore[index]

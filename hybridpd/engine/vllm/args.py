@@ -30,6 +30,10 @@ def _nixl(role: str, device: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu" if device == "cpu" else "cuda"}
 
 
+#: a failed KV load (store miss, NIXL read error) recomputes instead of failing the request
+LOAD_FAILURE_POLICY = {"kv_load_failure_policy": "recompute"}
+
+
 def mooncake_config(master: str, metadata_url: str, segment_bytes: int = 256 << 20) -> dict[str, Any]:
     """The MooncakeStoreConnector's config file (``MOONCAKE_CONFIG_PATH``) for one engine."""
     return {
@@ -54,8 +58,9 @@ def kv_transfer_config(cfg: HybridPDConfig, role: Role, store: bool = False) -> 
             "kv_connector": "MultiConnector",
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"connectors": [nixl, mooncake]},
+            **LOAD_FAILURE_POLICY,
         }
-    return nixl
+    return {**nixl, **LOAD_FAILURE_POLICY}
 
 
 def speculative_config(cfg: HybridPDConfig, role: Role, model_dir: Path) -> dict[str, Any] | None:
