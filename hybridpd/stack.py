@@ -119,7 +119,13 @@ class LocalStack:
 
         resolve_model(self.cfg)  # build the tiny model here, not racing in every actor
         # NOTE: glog level 2 keeps Mooncake's per-connection INFO/WARNING lines out of the actor logs
-        env = {"GLOG_minloglevel": "2", "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
+        # NOTE: MALLOC_ARENA_MAX=2: Ray runs actor calls on a thread pool and glibc gives each
+        # thread its own malloc arena; with 2 the soak's RSS growth fell by half or more
+        env = {
+            "GLOG_minloglevel": "2",
+            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
+            "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
+        }
         # NOTE: max_restarts: Ray brings a crashed actor back; the router retries elsewhere meanwhile
         opts = {
             "namespace": NAMESPACE,
