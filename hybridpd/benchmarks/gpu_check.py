@@ -113,6 +113,18 @@ def run(device: str, dtype: str, streams: int, start: int, grow: int, gen: int) 
     return result
 
 
+def cuda_problem(device: str) -> str | None:
+    """Why ``device`` (``cuda`` or ``cuda:N``) cannot run here, or None."""
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        return "torch sees %d CUDA device(s), no index %d" % (torch.cuda.device_count(), index)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -123,8 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("--device %s: torch sees no CUDA device" % args.device)
+    problem = cuda_problem(args.device)
+    if problem:
+        raise SystemExit("--device %s: %s" % (args.device, problem))
     result = run(args.device, args.dtype, args.streams, args.start, args.grow, args.gen)
     text = json.dumps(result, indent=2)
     print(text)

@@ -58,7 +58,6 @@ class VllmHandoff:
 class _Live:
     request: EngineRequest
     prefill_only: bool
-    emitted: int = 0
     handoff: VllmHandoff | None = None
 
 
@@ -211,7 +210,6 @@ class VllmEngine:
                 if params:
                     self.handoffs[out.request_id] = VllmHandoff(live.request, None, cached, params)
                 tokens = ()  # not an output token (see the module docstring)
-            live.emitted += len(tokens)
             outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
             if out.finished:
                 del self.live[out.request_id]
