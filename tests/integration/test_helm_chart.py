@@ -1,6 +1,7 @@
 """The Helm chart, proven offline: rendered with the Helm v4 engine
 (helm-python-sdk), linted strictly, built-in kinds validated with
-kubernetes-validate --strict, CRD objects against their CRD schemas, and the
+kubernetes-validate --strict, CRD objects against their CRD schemas (the RayCluster
+against KubeRay v1.7.0's own CRD, see crd_schema.py), and the
 rendered config file loaded by hybridpd.config."""
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 import yaml
 
 from hybridpd.config import load_config
+from tests.integration.crd_schema import crd_schema, to_json_schema
+from tests.integration.crd_schema import validate as validate_crd
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "hybridpd"
@@ -26,6 +29,8 @@ NODE_MODULES = ROOT / ".cache" / "npm" / "node_modules"
 K8S_VERSION = "1.30.0"
 VALUE_SETS = ["default", "gpu", "external-redis", "minimal"]
 CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/")
+# KubeRay v1.7.0's RayCluster CRD, unchanged: shared/ sits beside the repository (see its README)
+RAYCLUSTER_CRD = ROOT.parent / "shared" / "fixtures" / "kuberay" / "ray.io_rayclusters.yaml"
 
 
 def _values(name: str) -> dict[str, Any]:
@@ -114,11 +119,26 @@ def test_kubernetes_validate_catches_a_bad_object() -> None:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
+@pytest.fixture(scope="module")
+def raycluster_schema() -> dict[str, Any]:
+    if not RAYCLUSTER_CRD.exists():
+        pytest.skip("KubeRay's RayCluster CRD fixture is missing: %s (shared/ goes beside the repo)" % RAYCLUSTER_CRD)
+    return crd_schema(RAYCLUSTER_CRD, "v1")
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
-def test_raycluster_matches_its_schema(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
-    schema = json.loads((HERE / "raycluster.schema.json").read_text())
+def test_raycluster_matches_kuberays_crd(
+    name: str, rendered: dict[str, list[dict[str, Any]]], raycluster_schema: dict[str, Any]
+) -> None:
+    rcs = _by_kind(rendered[name], "RayCluster")
+    assert len(rcs) == 1
+    for rc in rcs:
+        validate_crd(rc, raycluster_schema)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_raycluster_worker_groups_follow_the_values(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
     rc = _one(rendered[name], "RayCluster")
-    jsonschema.validate(rc, schema)
     v = _values(name)
     groups = {g["groupName"]: g for g in rc["spec"]["workerGroupSpecs"]}
     assert set(groups) == {"prefill", "decode"}
@@ -129,10 +149,94 @@ def test_raycluster_matches_its_schema(name: str, rendered: dict[str, list[dict[
         assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {"hybridpd_%s" % group: 1}
         limits = g["template"]["spec"]["containers"][0]["resources"].get("limits", {})
         assert limits.get("nvidia.com/gpu", 0) == want.get("gpus", 0)
-    bad = json.loads(json.dumps(rc))
-    bad["spec"]["workerGroupSpecs"][0]["replica"] = 3  # a typo must fail
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(bad, schema)
+
+
+def _misspell_head_field(rc: dict[str, Any]) -> None:
+    rc["spec"]["headGroupSpec"]["rayStartParam"] = rc["spec"]["headGroupSpec"].pop("rayStartParams")
+
+
+def _misspell_worker_container_field(rc: dict[str, Any]) -> None:
+    container = rc["spec"]["workerGroupSpecs"][-1]["template"]["spec"]["containers"][0]
+    container["imagePullPolicey"] = container.pop("imagePullPolicy")
+
+
+def _replicas_as_words(rc: dict[str, Any]) -> None:
+    rc["spec"]["workerGroupSpecs"][0]["replicas"] = "two"
+
+
+@pytest.mark.parametrize(
+    ("break_it", "message"),
+    [
+        (_misspell_head_field, "'rayStartParam' was unexpected"),
+        (_misspell_worker_container_field, "'imagePullPolicey' was unexpected"),
+        (_replicas_as_words, "'two' is not of type 'integer'"),
+    ],
+)
+def test_kuberays_crd_rejects_a_broken_raycluster(
+    break_it: Any, message: str, rendered: dict[str, list[dict[str, Any]]], raycluster_schema: dict[str, Any]
+) -> None:
+    bad = json.loads(json.dumps(_one(rendered["default"], "RayCluster")))
+    break_it(bad)
+    with pytest.raises(jsonschema.ValidationError) as err:
+        validate_crd(bad, raycluster_schema)
+    assert message in err.value.message, err.value.message
+
+
+_TOY_CRD = {
+    "type": "object",
+    "properties": {
+        "strict": {"type": "object", "properties": {"a": {"type": "string"}}},
+        "open": {
+            "type": "object",
+            "x-kubernetes-preserve-unknown-fields": True,
+            "properties": {"inner": {"type": "object", "properties": {"b": {"type": "integer"}}}},
+        },
+        "port": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "size": {"format": "int-or-string"},
+        "when": {"type": "string", "nullable": True},
+        "tags": {"type": "array", "items": {"type": "string"}, "x-kubernetes-list-type": "set"},
+        "ports": {
+            "type": "array",
+            "x-kubernetes-list-type": "map",
+            "x-kubernetes-list-map-keys": ["port", "protocol"],
+            "items": {
+                "type": "object",
+                "required": ["port", "protocol"],
+                "properties": {"port": {"type": "integer"}, "protocol": {"type": "string", "default": "TCP"}},
+            },
+        },
+        "mode": {
+            "type": "string",
+            "x-kubernetes-validations": [{"rule": "self == oldSelf"}, {"rule": "self in ['a', 'b']"}],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("obj", "ok"),
+    [
+        ({"strict": {"a": "x"}, "open": {"anything": 1, "inner": {"b": 1}}}, True),
+        ({"strict": {"a": "x", "c": 1}}, False),  # unknown field
+        ({"extra": 1}, False),  # unknown at the root too
+        ({"open": {"inner": {"b": 1, "c": 2}}}, False),  # the flag opens its own object only, as in pruning
+        ({"port": 80, "size": "1Gi", "when": None}, True),
+        ({"port": 1.5}, False),
+        ({"size": [1]}, False),
+        ({"tags": ["a", "a"]}, False),
+        ({"ports": [{"port": 80}, {"port": 80, "protocol": "UDP"}]}, True),  # protocol defaults to TCP
+        ({"ports": [{"port": 80}, {"port": 80, "protocol": "TCP"}]}, False),  # duplicate map key
+        ({"mode": "a"}, True),
+        ({"mode": "c"}, False),
+    ],
+)
+def test_crd_schema_translates_kubernetes_extensions(obj: dict[str, Any], ok: bool) -> None:
+    schema = to_json_schema(_TOY_CRD)
+    if ok:
+        validate_crd(obj, schema)
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            validate_crd(obj, schema)
 
 
 def _validate_prometheus_objects(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
