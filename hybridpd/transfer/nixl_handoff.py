@@ -13,6 +13,14 @@ reading; and since expired buffers are zeroed before they are released, a
 read that races the expiry fails verification instead of returning stale
 bytes). Corrupted bytes raise ``IntegrityError`` and are never returned.
 DRAM on CPU (UCX, cross-memory-attach on loopback); VRAM for CUDA tensors.
+
+Progress: the agents run without NIXL's UCX progress thread (the Python API
+starts it with no delay between iterations: a core per agent, busy or idle).
+UCX then progresses only inside agent calls: decode's ``check_xfer_state``
+drives its READ, and the server's loop drives its side (notifications, and
+the target half of a READ over transports that need it, e.g. TCP) by polling
+every ``poll_s`` while offers are outstanding; with none it blocks until the
+next ``offer()``. An idle server makes no calls at all.
 """
 
 from __future__ import annotations
@@ -69,7 +77,8 @@ def _digest(t: torch.Tensor) -> str:
 def _agent(name: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    # NOTE: no progress thread: nixl_agent runs it with pthrDelay=0, a free spin (see the module docstring)
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
 @dataclass(slots=True)
@@ -81,9 +90,10 @@ class _Offer:
 
 class HandoffServer:
     """Prefill side. A background thread frees offers on release
-    notifications and at expiry; ``close()`` frees everything."""
+    notifications and at expiry; ``close()`` frees everything. It polls
+    every ``poll_s`` while offers are outstanding and sleeps otherwise."""
 
-    def __init__(self, name: str | None = None, timeout_s: float = 30.0, poll_s: float = 0.005) -> None:
+    def __init__(self, name: str | None = None, timeout_s: float = 30.0, poll_s: float = 0.001) -> None:
         self.name = name or "prefill-%s" % uuid.uuid4().hex[:8]
         self.timeout_s = timeout_s
         self.agent = _agent(self.name)
@@ -96,6 +106,7 @@ class HandoffServer:
         #: offer-to-release seconds of recently released handoffs (drained by metrics)
         self.release_latencies: list[float] = []
         self._stop = threading.Event()
+        self._work = threading.Event()  # set by offer() and close(): the loop has something to do
         self._thread = threading.Thread(target=self._loop, args=(poll_s,), name="nixl-handoff", daemon=True)
         self._thread.start()
 
@@ -112,6 +123,7 @@ class HandoffServer:
             metadata = self.agent.get_agent_metadata()
             expires = time.time() + self.timeout_s
             self.offers[hid] = _Offer(owned, reg, expires)
+        self._work.set()
         return HandoffDescriptor(hid, self.name, metadata, descs, specs, expires)
 
     def outstanding(self) -> int:
@@ -134,6 +146,12 @@ class HandoffServer:
 
     def _loop(self, poll_s: float) -> None:
         while not self._stop.is_set():
+            self._work.clear()
+            with self.lock:
+                idle = not self.offers
+            if idle:  # nothing to release or expire: no agent calls until the next offer()
+                self._work.wait()
+                continue
             try:
                 with self.lock:
                     notifs = self.agent.get_new_notifs()
@@ -158,6 +176,7 @@ class HandoffServer:
 
     def close(self) -> None:
         self._stop.set()
+        self._work.set()
         self._thread.join(2)
         with self.lock:
             ids = list(self.offers)

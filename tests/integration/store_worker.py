@@ -35,3 +35,41 @@ def nixl_offer_worker(q_out: Any, q_in: Any, timeout_s: float, corrupt: bool) ->
     q_out.put({"outstanding": server.outstanding(), "released": server.released, "expired": server.expired})
     q_in.get(timeout=120)
     server.close()
+
+
+def nixl_server_worker(q_out: Any, q_in: Any, timeout_s: float) -> None:
+    """A prefill-side HandoffServer driven by commands: ("offer", [nbytes, ...]) offers one
+    buffer each (a byte pattern) and answers the descriptors; ("report", None) answers the
+    counters, this process's CPU seconds and when each release was noticed; ("exit", None)."""
+    from hybridpd.transfer.nixl_handoff import HandoffServer
+
+    released_at: dict[str, float] = {}
+
+    class TimedServer(HandoffServer):
+        def _free(self, hid: str, scrub: bool) -> float | None:
+            noticed = time.time()
+            offered = super()._free(hid, scrub)
+            if offered is not None and not scrub:
+                released_at[hid] = noticed
+            return offered
+
+    server = TimedServer("prefill-srv", timeout_s=timeout_s)
+    q_out.put("ready")
+    while True:
+        cmd, arg = q_in.get(timeout=300)
+        if cmd == "offer":
+            q_out.put([server.offer([torch.arange(n, dtype=torch.int64).remainder(251).to(torch.uint8)]) for n in arg])
+        elif cmd == "report":
+            q_out.put(
+                {
+                    "outstanding": server.outstanding(),
+                    "released": server.released,
+                    "expired": server.expired,
+                    "released_at": dict(released_at),
+                    "cpu_s": time.process_time(),
+                }
+            )
+        else:
+            server.close()
+            q_out.put("bye")
+            return
