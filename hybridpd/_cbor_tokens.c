@@ -1,4 +1,5 @@
-/* Canonical CBOR encoding of token-id runs, for hybridpd.hashing.
+/* Canonical CBOR encoding of token-id runs, and the SHA-256 block chain, for
+ * hybridpd.hashing.
  *
  * encode(tokens, unit) -> (buf: bytes, starts: bytes)
  *   tokens: a list/tuple of ints or any C-contiguous buffer of int64/uint32.
@@ -7,6 +8,15 @@
  *   starts: native int64 array (n_blocks + 1 entries) of block byte offsets.
  * Raises OverflowError for a token outside [0, 2**32): the caller then uses
  * the generic cbor2 path.
+ *
+ * sha256_chain(tokens, unit, parent, tail_first, tail_rest, portable=False) -> list[bytes]
+ *   The whole vLLM block-hash chain with sha256_cbor in one call:
+ *     h_i = sha256(0x83 | bstr(h_{i-1}) | array(unit) | uint(t)... | tail_i)
+ *   with h_{-1} = parent, tail_0 = tail_first, tail_i = tail_rest (both already
+ *   canonical CBOR). Hashing runs without the GIL; SHA-NI when the CPU has it
+ *   (x86-64), else portable C (``portable=True`` forces it, for tests).
+ *   OverflowError as for encode.
+ * has_sha_ni() -> bool
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -84,11 +94,265 @@ fail:
     return NULL;
 }
 
+
+/* ---- token input ----------------------------------------------------------------- */
+
+/* Copy the first ntok tokens of obj into out (uint32). -1 + OverflowError/TypeError on failure. */
+static int tokens_u32(PyObject *obj, Py_ssize_t *n_out, uint32_t **out) {
+    Py_buffer view;
+    *out = NULL;
+    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = view.format ? view.format : "B";
+        if (*f == '<' || *f == '=' || *f == '@') f++;
+        int kind = 0;
+        if (view.itemsize == 8 && (*f == 'l' || *f == 'q')) kind = 8;
+        else if (view.itemsize == 4 && (*f == 'I' || *f == 'L')) kind = 4;
+        if (kind) {
+            Py_ssize_t n = view.len / view.itemsize;
+            uint32_t *o = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+            if (!o) { PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
+            if (kind == 4) {
+                memcpy(o, view.buf, (size_t)n * sizeof(uint32_t));
+            } else {
+                const int64_t *src = (const int64_t *)view.buf;
+                for (Py_ssize_t i = 0; i < n; i++) {
+                    if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
+                        PyMem_Free(o); PyBuffer_Release(&view);
+                        PyErr_SetString(PyExc_OverflowError, "token out of range"); return -1;
+                    }
+                    o[i] = (uint32_t)src[i];
+                }
+            }
+            PyBuffer_Release(&view);
+            *n_out = n; *out = o;
+            return 0;
+        }
+        PyBuffer_Release(&view);
+    } else {
+        PyErr_Clear();
+    }
+    PyObject *seq = PySequence_Fast(obj, "tokens must be a sequence of ints");
+    if (!seq) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint32_t *o = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (!o) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long x = PyLong_AsUnsignedLongLong(items[i]);
+        if ((x == (unsigned long long)-1 && PyErr_Occurred()) || x > 0xFFFFFFFFULL) {
+            PyErr_Clear(); PyErr_SetString(PyExc_OverflowError, "token out of range");
+            PyMem_Free(o); Py_DECREF(seq); return -1;
+        }
+        o[i] = (uint32_t)x;
+    }
+    Py_DECREF(seq);
+    *n_out = n; *out = o;
+    return 0;
+}
+
+/* Canonical CBOR head for (major, n) at p; returns its length. */
+static Py_ssize_t put_head(unsigned char *p, unsigned major, uint64_t n) {
+    unsigned char mt = (unsigned char)(major << 5);
+    if (n < 24) { p[0] = mt | (unsigned char)n; return 1; }
+    if (n < 256) { p[0] = mt | 24; p[1] = (unsigned char)n; return 2; }
+    if (n < 65536) { p[0] = mt | 25; p[1] = (unsigned char)(n >> 8); p[2] = (unsigned char)n; return 3; }
+    if (n < 4294967296ULL) {
+        p[0] = mt | 26;
+        for (int i = 0; i < 4; i++) p[1 + i] = (unsigned char)(n >> (24 - 8 * i));
+        return 5;
+    }
+    p[0] = mt | 27;
+    for (int i = 0; i < 8; i++) p[1 + i] = (unsigned char)(n >> (56 - 8 * i));
+    return 9;
+}
+
+/* ---- SHA-256 ----------------------------------------------------------------------- */
+
+static const uint32_t K256[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+static const uint32_t H256[8] = {
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+};
+
+#define ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_blocks_portable(uint32_t st[8], const unsigned char *p, size_t nblocks) {
+    for (; nblocks; nblocks--, p += 64) {
+        uint32_t w[64];
+        for (int t = 0; t < 16; t++)
+            w[t] = (uint32_t)p[4 * t] << 24 | (uint32_t)p[4 * t + 1] << 16 | (uint32_t)p[4 * t + 2] << 8 | p[4 * t + 3];
+        for (int t = 16; t < 64; t++) {
+            uint32_t s0 = ROR(w[t - 15], 7) ^ ROR(w[t - 15], 18) ^ (w[t - 15] >> 3);
+            uint32_t s1 = ROR(w[t - 2], 17) ^ ROR(w[t - 2], 19) ^ (w[t - 2] >> 10);
+            w[t] = w[t - 16] + s0 + w[t - 7] + s1;
+        }
+        uint32_t a = st[0], b = st[1], c = st[2], d = st[3], e = st[4], f = st[5], g = st[6], h = st[7];
+        for (int t = 0; t < 64; t++) {
+            uint32_t t1 = h + (ROR(e, 6) ^ ROR(e, 11) ^ ROR(e, 25)) + ((e & f) ^ (~e & g)) + K256[t] + w[t];
+            uint32_t t2 = (ROR(a, 2) ^ ROR(a, 13) ^ ROR(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+            h = g; g = f; f = e; e = d + t1; d = c; c = b; b = a; a = t1 + t2;
+        }
+        st[0] += a; st[1] += b; st[2] += c; st[3] += d; st[4] += e; st[5] += f; st[6] += g; st[7] += h;
+    }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_SHANI_CODE 1
+
+/* The SHA extensions' standard schedule (Intel's white paper layout). */
+__attribute__((target("sha,sse4.1,ssse3")))
+static void sha256_blocks_shani(uint32_t st[8], const unsigned char *p, size_t nblocks) {
+    const __m128i MASK = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i tmp = _mm_loadu_si128((const __m128i *)&st[0]);
+    __m128i s1 = _mm_loadu_si128((const __m128i *)&st[4]);
+    tmp = _mm_shuffle_epi32(tmp, 0xB1);             /* CDAB */
+    s1 = _mm_shuffle_epi32(s1, 0x1B);               /* EFGH */
+    __m128i s0 = _mm_alignr_epi8(tmp, s1, 8);       /* ABEF */
+    s1 = _mm_blend_epi16(s1, tmp, 0xF0);            /* CDGH */
+    for (; nblocks; nblocks--, p += 64) {
+        __m128i abef = s0, cdgh = s1, m[4];
+#pragma GCC unroll 16
+        for (int g = 0; g < 16; g++) {
+            __m128i *x = &m[g & 3];
+            if (g < 4) {
+                *x = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * g)), MASK);
+            } else {
+                __m128i t = _mm_add_epi32(_mm_sha256msg1_epu32(m[g & 3], m[(g + 1) & 3]),
+                                          _mm_alignr_epi8(m[(g + 3) & 3], m[(g + 2) & 3], 4));
+                *x = _mm_sha256msg2_epu32(t, m[(g + 3) & 3]);
+            }
+            __m128i k = _mm_add_epi32(*x, _mm_loadu_si128((const __m128i *)&K256[4 * g]));
+            s1 = _mm_sha256rnds2_epu32(s1, s0, k);
+            k = _mm_shuffle_epi32(k, 0x0E);
+            s0 = _mm_sha256rnds2_epu32(s0, s1, k);
+        }
+        s0 = _mm_add_epi32(s0, abef);
+        s1 = _mm_add_epi32(s1, cdgh);
+    }
+    tmp = _mm_shuffle_epi32(s0, 0x1B);              /* FEBA */
+    s1 = _mm_shuffle_epi32(s1, 0xB1);               /* DCHG */
+    s0 = _mm_blend_epi16(tmp, s1, 0xF0);            /* DCBA */
+    s1 = _mm_alignr_epi8(s1, tmp, 8);               /* ABEF */
+    _mm_storeu_si128((__m128i *)&st[0], s0);
+    _mm_storeu_si128((__m128i *)&st[4], s1);
+}
+
+static int cpu_has_sha_ni(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("sha") && __builtin_cpu_supports("sse4.1") && __builtin_cpu_supports("ssse3");
+}
+#else
+static int cpu_has_sha_ni(void) { return 0; }
+#endif
+
+typedef void (*blocks_fn)(uint32_t st[8], const unsigned char *p, size_t nblocks);
+
+/* SHA-256 of msg[0:len] into out[32]; msg must have 72 writable bytes past len (padding). */
+static void sha256_padded(blocks_fn fn, unsigned char *msg, size_t len, unsigned char out[32]) {
+    uint32_t st[8];
+    memcpy(st, H256, sizeof st);
+    size_t total = (len + 9 + 63) / 64 * 64;
+    msg[len] = 0x80;
+    memset(msg + len + 1, 0, total - len - 9);
+    uint64_t bits = (uint64_t)len * 8;
+    for (int i = 0; i < 8; i++) msg[total - 1 - i] = (unsigned char)(bits >> (8 * i));
+    fn(st, msg, total / 64);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(st[i] >> 24); out[4 * i + 1] = (unsigned char)(st[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(st[i] >> 8); out[4 * i + 3] = (unsigned char)st[i];
+    }
+}
+
+static int have_sha_ni = 0;
+
+static PyObject *sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"tokens", "unit", "parent", "tail_first", "tail_rest", "portable", NULL};
+    PyObject *obj; Py_ssize_t unit; Py_buffer parent, tail0, tail1; int portable = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "Ony*y*y*|p", kwlist, &obj, &unit, &parent, &tail0, &tail1,
+                                     &portable))
+        return NULL;
+    PyObject *result = NULL;
+    uint32_t *tok = NULL; unsigned char *msg = NULL, *digests = NULL;
+    if (unit <= 0) { PyErr_SetString(PyExc_ValueError, "unit must be positive"); goto done; }
+    Py_ssize_t n;
+    if (tokens_u32(obj, &n, &tok) < 0) goto done;
+    Py_ssize_t nblocks = n / unit;
+    size_t plen = (size_t)(parent.len > 32 ? parent.len : 32);
+    size_t tlen = (size_t)(tail0.len > tail1.len ? tail0.len : tail1.len);
+    size_t cap = 1 + 9 + plen + 9 + 5 * (size_t)unit + tlen + 72;
+    msg = PyMem_Malloc(cap);
+    digests = PyMem_Malloc((size_t)(nblocks ? nblocks : 1) * 32);
+    if (!msg || !digests) { PyErr_NoMemory(); goto done; }
+    blocks_fn fn = sha256_blocks_portable;
+#ifdef HAVE_SHANI_CODE
+    if (have_sha_ni && !portable) fn = sha256_blocks_shani;
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char arr_head[9];
+    Py_ssize_t arr_len = put_head(arr_head, 4, (uint64_t)unit);
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        unsigned char *q = msg;
+        *q++ = 0x83;
+        if (b == 0) {
+            q += put_head(q, 2, (uint64_t)parent.len);
+            memcpy(q, parent.buf, (size_t)parent.len); q += parent.len;
+        } else {
+            *q++ = 0x58; *q++ = 32;  /* bstr(32) */
+            memcpy(q, digests + 32 * (b - 1), 32); q += 32;
+        }
+        memcpy(q, arr_head, (size_t)arr_len); q += arr_len;
+        const uint32_t *t = tok + b * unit;
+        for (Py_ssize_t i = 0; i < unit; i++) {
+            uint32_t v = t[i];
+            if (v < 24) { *q++ = (unsigned char)v; }
+            else if (v < 256) { q[0] = 0x18; q[1] = (unsigned char)v; q += 2; }
+            else if (v < 65536) { q[0] = 0x19; q[1] = (unsigned char)(v >> 8); q[2] = (unsigned char)v; q += 3; }
+            else {
+                q[0] = 0x1a; q[1] = (unsigned char)(v >> 24); q[2] = (unsigned char)(v >> 16);
+                q[3] = (unsigned char)(v >> 8); q[4] = (unsigned char)v; q += 5;
+            }
+        }
+        const Py_buffer *tail = b == 0 ? &tail0 : &tail1;
+        memcpy(q, tail->buf, (size_t)tail->len); q += tail->len;
+        sha256_padded(fn, msg, (size_t)(q - msg), digests + 32 * b);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(nblocks);
+    if (!result) goto done;
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        PyObject *d = PyBytes_FromStringAndSize((const char *)digests + 32 * b, 32);
+        if (!d) { Py_CLEAR(result); goto done; }
+        PyList_SET_ITEM(result, b, d);
+    }
+done:
+    PyMem_Free(tok); PyMem_Free(msg); PyMem_Free(digests);
+    PyBuffer_Release(&parent); PyBuffer_Release(&tail0); PyBuffer_Release(&tail1);
+    return result;
+}
+
+static PyObject *py_has_sha_ni(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_sha_ni); }
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(tokens, unit) -> (bytes, int64 block starts as bytes)"},
+    {"sha256_chain", (PyCFunction)(void (*)(void))sha256_chain, METH_VARARGS | METH_KEYWORDS,
+     "sha256_chain(tokens, unit, parent, tail_first, tail_rest, portable=False) -> list of 32-byte digests"},
+    {"has_sha_ni", py_has_sha_ni, METH_NOARGS, "whether sha256_chain uses the CPU's SHA extensions"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cbor_tokens", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cbor_tokens(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cbor_tokens(void) {
+    have_sha_ni = cpu_has_sha_ni();
+    return PyModule_Create(&module);
+}

@@ -13,12 +13,15 @@ block 0 only (vLLM 0.32's keys and order: lora, then salt). Only full blocks
 are hashed. ``tests/vllm/test_hash_equality.py`` checks this against vLLM's
 own ``get_request_block_hasher`` in the vLLM environment.
 
-NOTE: ``cbor2.dumps`` of a 128-int tuple per block dominates vLLM's cost. We
-encode the token ids of all blocks at once (canonical CBOR unsigned ints: 1,
-2, 3 or 5 bytes each) with a small C helper (``_cbor_tokens.c``; numpy when it
-is not built), splice the fixed CBOR framing around each block's bytes, and
-hash with one ``hashlib``/``xxhash`` call per block. Property tests check byte
-equality with ``cbor2`` for both encoders.
+NOTE: ``cbor2.dumps`` of a 128-int tuple per block dominates vLLM's cost. With
+``sha256_cbor`` the whole chain is one call into a small C helper
+(``_cbor_tokens.c``): it encodes each block's token ids (canonical CBOR
+unsigned ints: 1, 2, 3 or 5 bytes each), splices the fixed CBOR framing around
+them and hashes, without the GIL, with the CPU's SHA extensions where it has
+them. Otherwise (``xxhash_cbor``, an old build, no SHA-NI) we encode all blocks
+at once (the C helper, or numpy when it is not built) and hash with one
+``hashlib``/``xxhash`` call per block. Property tests check byte equality with
+``cbor2`` on every path.
 """
 
 from __future__ import annotations
@@ -117,6 +120,12 @@ def _encode_uints(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
     return buf, offsets
 
 
+def _c_chain_ok() -> bool:
+    """Whether the one-call C chain (sha256_cbor) is worth using: built, and SHA-NI
+    (without it, OpenSSL's hashlib per block is as fast as portable C)."""
+    return _c_encoder is not None and getattr(_c_encoder, "has_sha_ni", lambda: False)()
+
+
 def _encode_blocks(tokens: Sequence[int] | np.ndarray, unit: int) -> tuple[bytes, list[int]] | None:
     """``(buf, block_starts)`` for the full blocks, or None if a token is
     outside ``[0, 2**32)`` (the caller then takes the generic cbor2 path)."""
@@ -186,6 +195,14 @@ class BlockHasher:
         n_blocks = len(tokens) // self.unit
         if n_blocks == 0:
             return []
+        if self.algo is HashAlgo.SHA256_CBOR and _c_chain_ok():
+            tail_first = cbor2.dumps(self.extra_keys(first_block_index, cache_salt, adapter), canonical=True)
+            tail_rest = cbor2.dumps(self.extra_keys(1, cache_salt, adapter), canonical=True)
+            try:
+                return _c_encoder.sha256_chain(tokens, self.unit, parent or self.none_hash, tail_first, tail_rest)
+            except OverflowError:
+                arr = np.asarray(tokens, dtype=object)[: n_blocks * self.unit]
+                return self._chain_slow(arr, cache_salt, adapter, parent, first_block_index)
         encoded = _encode_blocks(tokens, self.unit)
         if encoded is None:
             arr = np.asarray(tokens, dtype=object)[: n_blocks * self.unit]

@@ -36,7 +36,7 @@ fi
 
 # The stamp records the inputs of the pip step; change any of them and it reruns.
 stamp="$VENV/.hybridpd-bootstrap"
-want=$(cat requirements/*.txt pyproject.toml scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)
+want=$(cat requirements/*.txt pyproject.toml scripts/bootstrap.sh hybridpd/_cbor_tokens.c | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "pip install (pinned; progress below)"
   "$VENV/bin/pip" install --progress-bar off -q -r requirements/dev.txt

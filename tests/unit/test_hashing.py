@@ -79,11 +79,35 @@ def test_fast_chain_equals_cbor2_reference(
         assert hasher.chain(tokens, cache_salt=salt, adapter=adapter) == want
     finally:
         hashing._c_encoder = saved
+    if algo is HashAlgo.SHA256_CBOR and saved is not None:
+        # the one-call C chain, on SHA-NI (where the CPU has it) and portable C
+        tails = [cbor2.dumps(hasher.extra_keys(i, salt, adapter), canonical=True) for i in (0, 1)]
+        for portable in (False, True):
+            assert saved.sha256_chain(tokens, unit, hasher.none_hash, *tails, portable=portable) == want
+        # and C encoding + one hashlib call per block (no SHA-NI)
+        saved_ok = hashing._c_chain_ok
+        hashing._c_chain_ok = lambda: False
+        try:
+            assert hasher.chain(tokens, cache_salt=salt, adapter=adapter) == want
+        finally:
+            hashing._c_chain_ok = saved_ok
 
 
 def test_c_encoder_is_built() -> None:
     # make test builds it (pip install -e .); numpy is only the fallback
     assert hashing._c_encoder is not None
+    assert hasattr(hashing._c_encoder, "sha256_chain"), "stale build: rerun make bootstrap"
+
+
+def test_c_chain_long_prompt_and_parent() -> None:
+    # many SHA-256 blocks per chain block (unit 128, 5-byte tokens), a caller's parent, a salt
+    hasher = BlockHasher(unit=128, seed="long")
+    toks = [(i * 2654435761) % (1 << 32) for i in range(128 * 40 + 5)]
+    want = reference_chain(toks, 128, HashAlgo.SHA256_CBOR, "long", "salt")
+    assert hasher.chain(toks, cache_salt="salt") == want
+    assert hasher.chain(np.asarray(toks, dtype=np.int64), cache_salt="salt") == want
+    rest = hasher.chain(toks[128 * 10 :], cache_salt="salt", parent=want[9], first_block_index=10)
+    assert rest == want[10:]
 
 
 def test_only_full_blocks_hashed() -> None:
