@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib import resources
+from typing import Any
 
 import redis
 
@@ -100,9 +101,9 @@ class PrefixIndex:
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             if kv_hashes:
-                pipe.hset(self.keys.local_kv(instance), mapping={h.hex(): 1 for h in kv_hashes})
+                pipe.hset(self.keys.local_kv(instance), mapping=dict.fromkeys(kv_hashes, 1))
             if state_hashes:
-                pipe.hset(self.keys.local_st(instance), mapping={h.hex(): 1 for h in state_hashes})
+                pipe.hset(self.keys.local_st(instance), mapping=dict.fromkeys(state_hashes, 1))
             pipe.execute()
 
     def remove_local(
@@ -111,9 +112,9 @@ class PrefixIndex:
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             if kv_hashes:
-                pipe.hdel(self.keys.local_kv(instance), *[h.hex() for h in kv_hashes])
+                pipe.hdel(self.keys.local_kv(instance), *kv_hashes)
             if state_hashes:
-                pipe.hdel(self.keys.local_st(instance), *[h.hex() for h in state_hashes])
+                pipe.hdel(self.keys.local_st(instance), *state_hashes)
             pipe.execute()
 
     def clear_local(self, instance: str) -> None:
@@ -142,8 +143,42 @@ class PrefixIndex:
     # -- the lookup ------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
         """One EVALSHA: the store hit and each live instance's local hit."""
-        args = [self.keys.prefix, num_tokens, unit, "1" if eagle else "0", *(h.hex() for h in block_hashes)]
         with _mapped():
-            res = self._lookup(keys=[], args=args)
+            res = self._evalsha(*_pack_args([self.keys.prefix, num_tokens, unit, "1" if eagle else "0"], block_hashes))
         inst = {res[i].decode(): int(res[i + 1]) for i in range(1, len(res), 2)}
         return LookupResult(int(res[0]), inst)
+
+    def _evalsha(self, argc: int, packed: bytes) -> Any:
+        """EVALSHA of the lookup script with ``argc`` pre-packed arguments (loads it on NOSCRIPT)."""
+        for attempt in range(2):
+            head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (argc + 3, self._lookup.sha.encode())
+            pool = self.r.connection_pool
+            conn = pool.get_connection()
+            try:
+                conn.send_packed_command([head, packed])
+                return conn.read_response()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self._lookup.sha = self.r.script_load(self._lookup.script)
+            except BaseException:
+                conn.disconnect()  # a half-read reply must not reach the next caller
+                raise
+            finally:
+                pool.release(conn)
+        raise AssertionError("unreachable")
+
+
+def _pack_args(head: Sequence[object], hashes: Sequence[bytes]) -> tuple[int, bytes]:
+    """``(argc, head + hashes as RESP bulk strings)``. Chain hashes share one
+    length, so one ``join`` packs them all."""
+    parts = [str(x).encode() if not isinstance(x, bytes) else x for x in head]
+    out = b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+    if hashes:
+        size = len(hashes[0])
+        if len(set(map(len, hashes))) == 1:
+            sep = b"$%d\r\n" % size
+            out += sep + (b"\r\n" + sep).join(hashes) + b"\r\n"
+        else:
+            out += b"".join(b"$%d\r\n%s\r\n" % (len(h), h) for h in hashes)
+    return len(parts) + len(hashes), out

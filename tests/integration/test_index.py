@@ -69,6 +69,55 @@ def test_lookup_equals_brute_force(
     assert got.instance_hits == {"prefill-%d" % i: brute(kv, inst_st[i]) for i, kv in enumerate(inst_kv)}
 
 
+LONG = HASHER.chain(list(range(3000, 3000 + 420 * UNIT)))  # 420 blocks: several of the lookup's chunks
+
+
+def _presence(run: int, toggles: set[int]) -> list[bool]:
+    return [(i < run) != (i in toggles) for i in range(len(LONG))]
+
+
+_pos = st.one_of(st.integers(0, 419), st.sampled_from([0, 126, 127, 128, 129, 254, 255, 256, 257, 383, 384, 385]))
+_group = st.tuples(_pos, st.sets(_pos, max_size=4), st.sets(_pos, max_size=6))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_tokens=st.one_of(st.integers(1, 420 * UNIT + 3), st.just(420 * UNIT)),
+    store=_group,
+    insts=st.lists(_group, max_size=2),
+    eagle=st.booleans(),
+)
+def test_long_chain_lookup_equals_brute_force(
+    redis_server: RedisServer,
+    n_tokens: int,
+    store: tuple[int, set[int], set[int]],
+    insts: list[tuple[int, set[int], set[int]]],
+    eagle: bool,
+) -> None:
+    """Chains longer than the lookup's scan chunk (128): runs ending in any
+    chunk, holes before and after the chunk boundaries, misses."""
+    index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8])
+    nb = min(n_tokens // UNIT, len(LONG))
+    kv = _presence(store[0], store[1])
+    index.publish_store([h for h, p in zip(LONG, kv, strict=True) if p], None, 0)
+    for i in store[2]:
+        index.publish_store([], LONG[i], 0)
+    for j, (run, toggles, states) in enumerate(insts):
+        name = "prefill-%d" % j
+        ikv = _presence(run, toggles)
+        index.publish_local(name, [h for h, p in zip(LONG, ikv, strict=True) if p], [LONG[i] for i in states])
+        index.heartbeat(name, InstanceLoad())
+    got = index.lookup(LONG[:nb], n_tokens, UNIT, eagle)
+
+    def brute(present: list[bool], states: set[int]) -> int:
+        return longest_usable_hit(n_tokens, UNIT, present[:nb], {(i + 1) * UNIT for i in states if i < nb}, eagle)
+
+    assert got.store_hit == brute(kv, store[2])
+    assert got.instance_hits == {
+        "prefill-%d" % j: brute(_presence(run, toggles), states) for j, (run, toggles, states) in enumerate(insts)
+    }
+
+
 def test_dead_instances_drop_out(redis_server: RedisServer) -> None:
     index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8], heartbeat_ttl_s=0.3)
     chain = HASHER.chain(list(range(40)))
