@@ -2,7 +2,8 @@
 
     python -m bench.hashing [--tokens 164000] [--unit 128] [--json PATH]
 
-The baseline is the same chain computed the way vLLM 0.32 does it (one
+The baseline is the same chain computed the way vLLM 0.32 does it
+(``hybridpd/benchmarks/vllm_chain.py``: its ``hash_block_tokens``, one
 ``cbor2.dumps`` + digest per block), in the same process; both must produce
 identical hashes.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hybridpd.benchmarks.report import write_report
+from hybridpd.benchmarks.vllm_chain import vllm_chain
 from hybridpd.hashing import BlockHasher, HashAlgo
 
 
@@ -44,12 +46,8 @@ def main() -> None:
     for algo in HashAlgo:
         hasher = BlockHasher(unit=args.unit, algo=algo, seed="bench")
 
-        def baseline(h: BlockHasher = hasher) -> list[bytes]:
-            out, prev = [], None
-            for i in range(len(as_list) // args.unit):
-                prev = h.hash_block(prev, as_list[i * args.unit : (i + 1) * args.unit], None)
-                out.append(prev)
-            return out
+        def baseline(h: BlockHasher = hasher, a: HashAlgo = algo) -> list[bytes]:
+            return vllm_chain(as_list, args.unit, h.none_hash, a)
 
         assert baseline() == hasher.chain(tokens), "fast chain differs from the reference"
         ours = _time(lambda h=hasher: h.chain(tokens), args.repeat)

@@ -219,14 +219,27 @@ def bench_growing_streams(
     "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/router.json", show_default=True
 )
 def bench_router(json_path: str) -> None:
-    """Router decision latency for 16K and 164K-token prompts at unit 128."""
+    """Router decision latency for 16K and 164K-token prompts at unit 128, against vLLM's hash chain."""
     from pathlib import Path
 
     from hybridpd.benchmarks import router
 
     out = router.run(Path(json_path))
     for name, r in out["results"].items():
-        click.echo("%s: p50 %.2f ms, p99 %.2f ms (%d blocks)" % (name, r["p50_ms"], r["p99_ms"], r["blocks"]))
+        click.echo(
+            "%s: p50 %.2f ms, p99 %.2f ms (%d blocks; chain %.2f, lookup %.2f); vLLM's chain %.1f ms: p99 %.3fx"
+            % (
+                name,
+                r["p50_ms"],
+                r["p99_ms"],
+                r["blocks"],
+                r["chain_p50_ms"],
+                r["lookup_p50_ms"],
+                r["vllm_chain_p50_ms"],
+                r["ratio_p99_vs_vllm_chain"],
+            )
+        )
+    click.echo("checks: %s" % out["checks"])
     click.echo("wrote %s" % json_path)
 
 
