@@ -1,6 +1,7 @@
 """The one request flow behind both public APIs.
 
-    tokens -> hash chain -> ONE index lookup -> route (routing.py)
+    tokens -> hash chain -> ONE index lookup -> route (routing.py: cost =
+              tokens to compute + store loads + the work queued there)
            -> prefill actor (loads the hit, computes, exports, offers NIXL)
            -> decode actor (pulls over NIXL, decodes with EAGLE, streams)
 
@@ -32,6 +33,7 @@ from hybridpd.errors import (
     NotFoundError,
     OverloadedError,
     UnavailableError,
+    describe,
 )
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
@@ -39,7 +41,7 @@ from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.messages import PrefillCommand, PrefillResult, TokenChunk
 from services.router.metrics import RouterMetrics
-from services.router.routing import RouteDecision, choose
+from services.router.routing import RecentPrefills, RouteDecision, choose, dispatch_work
 
 #: torch.Generator.manual_seed accepts exactly this range.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
@@ -85,7 +87,10 @@ class Orchestrator:
         self.metrics = metrics
         self.max_inflight = cfg.max_inflight_requests
         self.inflight = 0
-        self.queued: dict[str, int] = dict.fromkeys(prefill, 0)
+        #: per instance, the work (routing.dispatch_work) of our prefills in flight there
+        self.queued: dict[str, float] = dict.fromkeys(prefill, 0.0)
+        #: checkpoints our finished prefills left, until the index reports them (a hint)
+        self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
         metrics.configured_prefill.set(len(prefill))
         metrics.live_prefill.set(len(prefill))
         self.running: dict[str, tuple[Any, Any]] = {}
@@ -115,7 +120,8 @@ class Orchestrator:
                 % (len(p), req.sampling.max_tokens, self.cfg.max_model_len)
             )
 
-    async def _route(self, req: EngineRequest, force: str | None) -> RouteDecision:
+    async def _route(self, req: EngineRequest, force: str | None) -> tuple[RouteDecision, list | None]:
+        """The decision, and the prompt's chain (None when caching or the index is off)."""
         n = len(req.prompt_token_ids)
         names = sorted(self.prefill)
         if force is not None:
@@ -123,23 +129,25 @@ class Orchestrator:
                 raise NotFoundError("no prefill instance %r (have %s)" % (force, ", ".join(names)))
         if self.cfg.routing == "round_robin" and force is None:
             name = names[next(self._rr_prefill) % len(names)]
-            return RouteDecision(name, 0, 0, 0, "round_robin")
+            return RouteDecision(name, 0, 0, 0, "round_robin"), None
         store_hit, local, index_ok = 0, {}, self.index is not None
+        hashes = None
         if self.index is not None and self.cfg.enable_prefix_caching:
             hashes = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
             t0 = time.perf_counter()
             try:
                 res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
-                store_hit, local = res.store_hit, dict(res.instance_hits)
-                self.metrics.live_prefill.set(len(local))
+                store_hit = res.store_hit
+                self.metrics.live_prefill.set(len(res.instance_hits))
+                local = self.recent.merge(hashes, n, res.instance_hits)
             except UnavailableError as exc:
                 index_ok = False
                 logger.warning("prefix index unavailable, routing on load only: %s", exc)
             self.metrics.index_lookup.observe(time.perf_counter() - t0)
         if force is not None:
             lh = local.get(force, 0)
-            return RouteDecision(force, max(lh, store_hit), store_hit, lh, "forced")
-        return choose(n, names, local, store_hit, self.queued, index_ok)
+            return RouteDecision(force, max(lh, store_hit), store_hit, lh, "forced"), hashes
+        return choose(n, names, local, store_hit, self.queued, index_ok), hashes
 
     async def _within(self, awaitable: Any, t_arrive: float) -> Any:
         """Await ``awaitable`` within what is left of the request's deadline."""
@@ -149,7 +157,9 @@ class Orchestrator:
         except TimeoutError:
             raise DeadlineError("request exceeded its %.0fs deadline" % self.cfg.request_timeout_s) from None
 
-    async def _prefill(self, req: EngineRequest, decision: RouteDecision, t_arrive: float) -> tuple[PrefillResult, Any]:
+    async def _prefill(
+        self, req: EngineRequest, decision: RouteDecision, t_arrive: float, hashes: list | None = None
+    ) -> tuple[PrefillResult, Any]:
         """Prefill on the routed instance; on a dead or unavailable actor, once more
         on the next instance (recomputing whatever it lacks)."""
         n = len(req.prompt_token_ids)
@@ -157,18 +167,22 @@ class Orchestrator:
         for attempt, name in enumerate(names[:2]):
             actor = self.prefill[name]
             self.running[req.request_id] = (actor, None)
-            store_hit = decision.store_hit if decision.store_hit > decision.local_hit else 0
-            self.queued[name] += n
+            store_hit = decision.store_hit if decision.store_hit > decision.local_hit and attempt == 0 else 0
+            work = dispatch_work(n, decision) if attempt == 0 else float(n)
+            self.queued[name] += work
             try:
                 pr = await self._within(actor.prefill.remote(PrefillCommand(req, store_hit)), t_arrive)
+                if hashes:
+                    self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens)
                 return pr, actor
             except (RayActorError, UnavailableError) as exc:
+                self.recent.forget_instance(name)  # restarted or failing: its cache is not to be counted on
                 if attempt == 1 or len(names) < 2:
-                    raise UnavailableError("prefill of %s failed: %s" % (req.request_id, exc)) from None
+                    raise UnavailableError("prefill of %s failed: %s" % (req.request_id, describe(exc))) from None
                 logger.warning("prefill of %s on %s failed (%s): retrying on %s", req.request_id, name, exc, names[1])
                 self.metrics.retries.labels("prefill").inc()
             finally:
-                self.queued[name] -= n
+                self.queued[name] -= work
         raise UnavailableError("no prefill instance")  # unreachable
 
     async def _decode(
@@ -189,7 +203,7 @@ class Orchestrator:
                 return
             except (IntegrityError, HandoffError, RayActorError) as exc:
                 if started or attempt == 1:
-                    raise UnavailableError("decode of %s failed: %s" % (req.request_id, exc)) from None
+                    raise UnavailableError("decode of %s failed: %s" % (req.request_id, describe(exc))) from None
                 logger.warning("handoff of %s failed (%s): prefilling again", req.request_id, exc)
                 self.metrics.retries.labels("handoff").inc()
                 others = [x for x in sorted(self.prefill) if x != pr.instance] or [pr.instance]
@@ -219,10 +233,10 @@ class Orchestrator:
         finished = False
         n = len(req.prompt_token_ids)
         try:
-            decision = await self._route(req, force_instance)
+            decision, hashes = await self._route(req, force_instance)
             self.metrics.routing.labels(decision.kind).inc()
             self.metrics.queue_time.observe(time.perf_counter() - t_arrive)
-            pr, prefill_actor = await self._prefill(req, decision, t_arrive)
+            pr, prefill_actor = await self._prefill(req, decision, t_arrive, hashes)
             now = time.perf_counter()
             last = now
             detok = IncrementalDetokenizer(self.tokenizer)

@@ -1,23 +1,54 @@
 """Routing policy: pick the prefill instance that finishes this prompt first.
 
 For instance ``i``, with ``N`` prompt tokens, ``L_i`` its local hit, ``S`` the
-store hit and ``Q_i`` the prompt tokens already queued or running on it (the
-router's own count of dispatched, unfinished prefills)::
+store hit and ``Q_i`` the work already queued or running on it::
 
     hit_i  = max(L_i, S)                       # it loads S from the store if S > L_i
     cost_i = (N - hit_i)                       # tokens it must compute
            + STORE_LOAD_COST * max(S - L_i, 0) # loading is cheaper than computing, not free
            + Q_i                               # work ahead of us in its queue
 
-The lowest cost wins; ties go to the instance with the fewest queued tokens,
+The lowest cost wins; ties go to the instance with the least queued work,
 then by name. When the index is unavailable, ``L_i = S = 0`` for all: the
 policy routes on load alone (counted as decision ``index_unavailable``).
+
+**Queued work** ``Q_i`` is the router's own count over the prefills it
+dispatched to ``i`` and that have not returned, each counted as the work it
+puts there (:func:`dispatch_work`): the tokens it must compute, ``N_j -
+hit_j``, plus ``STORE_LOAD_COST`` per token it loads from the store. Not its
+prompt length: an instance running a 6,000-token prompt with a 5,800-token
+hit is 200 tokens busy, and counting 6,000 would send the next request of a
+stream away from the instance that holds its prefix.
+
+**Publication lag.** A hit must not be lost because the index has not heard
+of it yet. Two mechanisms:
+
+1. the prefill actor publishes its local cache entries (KV blocks and the
+   state checkpoint this prefill left) in the index *before* its ``prefill``
+   call returns, so every request the router dispatches after a prefill
+   finished sees that prefill's prefix in the index (native engine; store
+   checkpoints follow once their put succeeded, vLLM's state checkpoints
+   once its KV events arrive);
+2. the router remembers, per instance, the checkpoint each of its own
+   finished prefills should have left there (:class:`RecentPrefills`: the
+   chain hash at the checkpoint, bounded, expiring after ``ttl_s``) and counts
+   it as that instance's local hit when the index does not report it (yet):
+   ``L_i = max(index hit, recent hit)``. This covers the asynchronous
+   publishers (vLLM KV events). It is a hint, never the source of truth: an
+   entry the index confirms is dropped, and another router, which does not
+   have it, routes on the index alone (tests: two routers reach the same hit
+   rate as one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from hybridpd.checkpoints import checkpoint_position, is_checkpoint_valid
 
 STORE_LOAD_COST = 0.1
 
@@ -31,18 +62,26 @@ class RouteDecision:
     kind: str  # "local_hit" | "store_hit" | "miss" | "index_unavailable" | "forced"
 
 
+def dispatch_work(num_tokens: int, decision: RouteDecision) -> float:
+    """The work a prefill dispatched on ``decision`` queues on its instance:
+    tokens to compute plus ``STORE_LOAD_COST`` per token loaded from the store."""
+    loaded = decision.store_hit if decision.store_hit > decision.local_hit else 0
+    return (num_tokens - decision.expected_hit) + STORE_LOAD_COST * loaded
+
+
 def choose(
     num_tokens: int,
     instances: list[str],
     local_hits: Mapping[str, int],
     store_hit: int,
-    queued: Mapping[str, int],
+    queued: Mapping[str, float],
     index_ok: bool = True,
 ) -> RouteDecision:
+    """The lowest-cost instance; ``queued`` maps instance -> queued work (:func:`dispatch_work`)."""
     if not instances:
         raise ValueError("no prefill instances")
 
-    def cost(name: str) -> tuple[float, int, str]:
+    def cost(name: str) -> tuple[float, float, str]:
         local = local_hits.get(name, 0)
         hit = max(local, store_hit)
         c = (num_tokens - hit) + STORE_LOAD_COST * max(store_hit - local, 0) + queued.get(name, 0)
@@ -59,3 +98,116 @@ def choose(
     else:
         kind = "miss"
     return RouteDecision(best, max(local, store_hit), store_hit, local, kind)
+
+
+class RecentPrefills:
+    """Checkpoints this router's finished prefills left on their instances,
+    until the index reports them (or ``ttl_s`` passes): a best-effort hint.
+
+    A prefill of ``N`` tokens that started from a hit of ``start`` leaves
+    state at ``p = checkpoint_position(N)`` when the kernel can write it there
+    (``is_checkpoint_valid``), and KV for every full block. A later prompt
+    sharing the chain up to block ``p/u`` (one block more under EAGLE, whose
+    hit replays it) hits ``p`` there; the entry is keyed by that block's chain
+    hash, which names the whole prefix. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        unit: int,
+        mamba_block_size: int,
+        alignment: int | None,
+        eagle: bool,
+        ttl_s: float = 20.0,
+        max_entries: int = 4096,
+    ) -> None:
+        self.unit, self.block, self.alignment, self.eagle = unit, mamba_block_size, alignment, eagle
+        self.ttl_s, self.max_entries = ttl_s, max_entries
+        # (chain hash of the last block the hit needs, instance) -> (block index, expiry)
+        self._entries: OrderedDict[tuple[bytes, str], tuple[int, float]] = OrderedDict()
+        self._by_block: dict[int, dict[bytes, set[str]]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def record(self, instance: str, hashes: Sequence[bytes], num_tokens: int, start: int) -> int:
+        """Remember what a prefill of ``num_tokens`` (``hashes`` its chain) that
+        computed from ``start`` left on ``instance``. Returns the position (0: none)."""
+        pos = checkpoint_position(num_tokens, self.unit, self.eagle)
+        if pos <= 0 or not is_checkpoint_valid(start, num_tokens, pos, self.unit, self.block, self.alignment):
+            return 0
+        k = pos // self.unit + (1 if self.eagle else 0) - 1  # the last block the hit needs
+        if k >= len(hashes):
+            return 0
+        key = (hashes[k], instance)
+        with self._lock:
+            self._drop(key)
+            self._entries[key] = (k, time.monotonic() + self.ttl_s)
+            self._by_block.setdefault(k, {}).setdefault(hashes[k], set()).add(instance)
+            while len(self._entries) > self.max_entries:
+                self._drop(next(iter(self._entries)))
+        return pos
+
+    def hits(self, hashes: Sequence[bytes], num_tokens: int) -> dict[str, int]:
+        """Per instance, the deepest remembered hit for a prompt of ``num_tokens``
+        with chain ``hashes`` (under the same rule as the index lookup)."""
+        if not self._entries:
+            return {}
+        top = min(len(hashes), (num_tokens - 1) // self.unit)  # blocks a hit may use (one token is computed)
+        out: dict[str, int] = {}
+        now = time.monotonic()
+        with self._lock:
+            for k, by_hash in self._by_block.items():
+                if k >= top:
+                    continue
+                for inst in by_hash.get(hashes[k], ()):
+                    if self._entries[(hashes[k], inst)][1] < now:
+                        continue
+                    pos = (k + 1 - (1 if self.eagle else 0)) * self.unit
+                    if pos > out.get(inst, 0):
+                        out[inst] = pos
+        return out
+
+    def merge(self, hashes: Sequence[bytes], num_tokens: int, index_hits: Mapping[str, int]) -> dict[str, int]:
+        """``max(index hit, remembered hit)`` per instance; drops what the index
+        already reports (confirmed) and what expired."""
+        recent = self.hits(hashes, num_tokens)
+        merged = dict(index_hits)
+        for inst, pos in recent.items():
+            if index_hits.get(inst, 0) >= pos:
+                self.forget(hashes[pos // self.unit + (1 if self.eagle else 0) - 1], inst)
+            else:
+                merged[inst] = pos
+        if len(self._entries) and next(iter(self._entries.values()))[1] < time.monotonic():
+            self._expire()
+        return merged
+
+    def forget(self, h: bytes, instance: str) -> None:
+        with self._lock:
+            self._drop((h, instance))
+
+    def forget_instance(self, instance: str) -> None:
+        """The instance lost its cache (restarted, failed): nothing there to hit."""
+        with self._lock:
+            for key in [key for key in self._entries if key[1] == instance]:
+                self._drop(key)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            # entries are in insertion order and share one TTL: the oldest expire first
+            while self._entries and next(iter(self._entries.values()))[1] < now:
+                self._drop(next(iter(self._entries)))
+
+    def _drop(self, key: tuple[bytes, str]) -> None:  # under the lock
+        got = self._entries.pop(key, None)
+        if got is None:
+            return
+        by_hash = self._by_block[got[0]]
+        insts = by_hash[key[0]]
+        insts.discard(key[1])
+        if not insts:
+            del by_hash[key[0]]
+            if not by_hash:
+                del self._by_block[got[0]]

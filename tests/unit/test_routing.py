@@ -1,10 +1,13 @@
-"""Routing policy: the documented cost formula, exactly."""
+"""Routing policy: the documented cost formula, exactly; queued work and recent prefills."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.router.routing import STORE_LOAD_COST, choose
+from hybridpd.checkpoints import longest_usable_hit
+from hybridpd.hashing import BlockHasher
+from services.router import routing
+from services.router.routing import STORE_LOAD_COST, RecentPrefills, RouteDecision, choose, dispatch_work
 
 NAMES = ["prefill-0", "prefill-1"]
 
@@ -43,3 +46,147 @@ def test_index_unavailable_routes_on_load_only() -> None:
 def test_no_instances() -> None:
     with pytest.raises(ValueError):
         choose(10, [], {}, 0, {})
+
+
+# -- queued work: what a dispatched prefill really costs its instance --------------------
+
+
+def test_dispatch_work_is_tokens_to_compute_plus_store_loads() -> None:
+    local = RouteDecision("prefill-0", 1984, 0, 1984, "local_hit")
+    assert dispatch_work(2200, local) == 216
+    store = RouteDecision("prefill-1", 1984, 1984, 0, "store_hit")
+    assert dispatch_work(2200, store) == pytest.approx(216 + STORE_LOAD_COST * 1984)
+    # a local hit at least as long as the store's: nothing is loaded
+    both = RouteDecision("prefill-0", 2000, 1984, 2000, "local_hit")
+    assert dispatch_work(2200, both) == 200
+    assert dispatch_work(2200, RouteDecision("prefill-1", 0, 0, 0, "miss")) == 2200
+
+
+def _route_round(n: int, hits: dict[str, dict[str, int]], store: dict[str, int]) -> dict[str, RouteDecision]:
+    """Route one request per stream, all in flight at once (none returns in between),
+    keeping the queued work as the orchestrator does."""
+    queued = dict.fromkeys(NAMES, 0.0)
+    out = {}
+    for stream, local in hits.items():
+        d = choose(n, NAMES, local, store.get(stream, 0), queued)
+        queued[d.instance] += dispatch_work(n, d)
+        out[stream] = d
+    return out
+
+
+def test_streams_in_flight_keep_their_hits_when_the_store_lags() -> None:
+    # four streams of 2,200 tokens, each holding 1,984 on one instance; the store has
+    # not published yet (its publisher runs after the put): every stream must stay
+    # where its prefix is, since only 216 tokens each are queued there.
+    hits = {
+        "a": {"prefill-0": 1984},
+        "b": {"prefill-0": 1984},
+        "c": {"prefill-0": 1984},
+        "d": {"prefill-1": 1984},
+    }
+    got = _route_round(2200, hits, {})
+    assert {s: d.instance for s, d in got.items()} == {
+        "a": "prefill-0",
+        "b": "prefill-0",
+        "c": "prefill-0",
+        "d": "prefill-1",
+    }
+    assert all(d.expected_hit == 1984 for d in got.values())
+    # what counting prompt tokens as queued work did: the second stream on prefill-0 was
+    # sent to prefill-1 with nothing to hit there (2,200 recomputed instead of 216)
+    queued = {"prefill-0": 2200.0, "prefill-1": 0.0}
+    assert choose(2200, NAMES, hits["b"], 0, queued).kind == "miss"
+
+
+def test_streams_in_flight_spread_over_store_loads() -> None:
+    # with the store published, a busy instance's stream may load elsewhere:
+    # still a hit (recompute 216), and the load is spread
+    hits = {s: {"prefill-0": 1984} for s in "abcd"}
+    got = _route_round(2200, hits, dict.fromkeys("abcd", 1984))
+    assert all(d.expected_hit == 1984 for d in got.values())
+    assert {d.instance for d in got.values()} == set(NAMES)
+    assert sum(d.kind == "store_hit" for d in got.values()) >= 1
+
+
+def test_queued_work_outweighs_a_hit_only_when_it_should() -> None:
+    # prefill-0 holds 1,984 but has 3,000 tokens of real work queued: computing all
+    # 2,200 on the idle instance finishes first
+    d = choose(2200, NAMES, {"prefill-0": 1984}, 0, {"prefill-0": 3000.0, "prefill-1": 0.0})
+    assert (d.instance, d.kind) == ("prefill-1", "miss")
+
+
+# -- recent prefills: a hint until the index reports them ----------------------------------
+
+U, B, A = 16, 64, 16
+H = BlockHasher(unit=U, seed="routing-test")
+STREAM = list(range(100, 100 + 4000))
+
+
+def test_recent_prefill_is_a_local_hit_for_the_next_request_of_the_stream() -> None:
+    rp = RecentPrefills(U, B, A, eagle=False)
+    first = H.chain(STREAM[:2000])
+    assert rp.record("prefill-1", first, 2000, 0) == 1984  # checkpoint_position(2000, 16)
+    nxt = H.chain(STREAM[:2200])
+    assert rp.hits(nxt, 2200) == {"prefill-1": 1984}
+    # another stream shares nothing
+    assert rp.hits(H.chain(list(range(5000, 7200))), 2200) == {}
+    # a prompt that ends at the checkpoint cannot hit all of it (one token is computed)
+    assert rp.hits(H.chain(STREAM[:1984]), 1984) == {}
+    assert rp.hits(H.chain(STREAM[:1985]), 1985) == {"prefill-1": 1984}
+
+
+def test_recent_prefill_under_eagle_needs_the_replay_block() -> None:
+    rp = RecentPrefills(U, B, A, eagle=True)
+    first = H.chain(STREAM[:2000])
+    assert rp.record("prefill-0", first, 2000, 0) == 1968  # one unit lower under EAGLE
+    assert rp.hits(H.chain(STREAM[:2200]), 2200) == {"prefill-0": 1968}
+    # the hit replays block 1968..1984, so the prompt must go past 1984 (+1 computed)
+    assert rp.hits(H.chain(STREAM[:1984]), 1984) == {}
+    assert rp.hits(H.chain(STREAM[:1985]), 1985) == {"prefill-0": 1968}
+
+
+def test_recent_prefill_agrees_with_the_index_rule() -> None:
+    # the hint promises exactly what the index lookup promises once published
+    for eagle in (False, True):
+        rp = RecentPrefills(U, B, A, eagle=eagle)
+        first = H.chain(STREAM[:2000])
+        pos = rp.record("prefill-0", first, 2000, 0)
+        for n in (1984, 1985, 2000, 2001, 2016, 2017, 2600):
+            want = longest_usable_hit(n, U, [True] * len(first) + [False] * 200, {pos}, eagle)
+            assert rp.hits(H.chain(STREAM[:n]), n).get("prefill-0", 0) == want, (eagle, n)
+
+
+def test_recent_prefill_without_a_valid_checkpoint_is_not_remembered() -> None:
+    rp = RecentPrefills(U, B, A, eagle=False)
+    # started from a hit at 1984, computing 16 tokens: no unit before the checkpoint
+    assert rp.record("prefill-0", H.chain(STREAM[:2000]), 2000, 1984) == 0
+    assert RecentPrefills(U, B, None, eagle=False).record("prefill-0", H.chain(STREAM[:2000]), 2000, 0) == 0
+    assert len(rp) == 0
+
+
+def test_recent_prefill_merge_index_wins_then_forgets() -> None:
+    rp = RecentPrefills(U, B, A, eagle=False)
+    rp.record("prefill-1", H.chain(STREAM[:2000]), 2000, 0)
+    nxt = H.chain(STREAM[:2200])
+    # the index has not heard of it yet: the hint fills in
+    assert rp.merge(nxt, 2200, {"prefill-0": 64, "prefill-1": 0}) == {"prefill-0": 64, "prefill-1": 1984}
+    # the index reports it: index value kept, the hint dropped
+    assert rp.merge(nxt, 2200, {"prefill-0": 64, "prefill-1": 1984}) == {"prefill-0": 64, "prefill-1": 1984}
+    assert len(rp) == 0
+
+
+def test_recent_prefill_expires_is_bounded_and_forgets_failed_instances(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.0]
+    monkeypatch.setattr(routing.time, "monotonic", lambda: now[0])
+    rp = RecentPrefills(U, B, A, eagle=False, ttl_s=5.0, max_entries=3)
+    chains = {s: H.chain([s] * 7 + STREAM[: 2000 - 7]) for s in range(5)}
+    for s, c in chains.items():
+        rp.record("prefill-%d" % (s % 2), c, 2000, 0)
+    assert len(rp) == 3  # the two oldest were dropped
+    assert rp.hits(chains[0], 2100) == {} and rp.hits(chains[4], 2100) == {"prefill-0": 1984}
+    rp.forget_instance("prefill-0")
+    assert rp.hits(chains[4], 2100) == {} and rp.hits(chains[3], 2100) == {"prefill-1": 1984}
+    now[0] += 6.0
+    assert rp.hits(chains[3], 2100) == {}
+    rp.merge(chains[3], 2100, {})
+    assert len(rp) == 0
