@@ -130,6 +130,8 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     click.echo("  gRPC                 %s:%d" % (cfg.host, cfg.grpc_port))
     click.echo("  Metrics              http://%s:%d/metrics" % (cfg.host, cfg.http_port))
     click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
+    if urls.ray_address:
+        click.echo("  Ray address          %s" % urls.ray_address)
     if urls.ray_metrics_url:
         click.echo("  Ray metrics (actors) %s" % urls.ray_metrics_url)
     click.echo("  Redis (prefix index) %s" % urls.redis_url)
