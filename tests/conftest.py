@@ -29,3 +29,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 has_cuda = _cuda_available()
             if not has_cuda:
                 item.add_marker(pytest.mark.skip(reason="needs CUDA"))
+
+
+@pytest.fixture(scope="session")
+def fp32_row_exact() -> None:
+    """The property the native engine's bit-exact tests rest on (see
+    ``hybridpd.engine.native.ops``): fp32 ``rows_mm`` is row-invariant on this
+    machine. Measured true on Intel Xeon (Sapphire Rapids: AVX-512, AMX-BF16,
+    AVX512-BF16) with torch 2.13 / MKL 2024.2; checked here, not assumed."""
+    import torch
+
+    from hybridpd.engine.native.ops import row_invariance_problem
+
+    problem = row_invariance_problem(torch.float32)
+    if problem is not None:
+        pytest.skip(
+            "fp32 matmul rows are not batch-invariant on this CPU (%s; flags: %s): the native engine's "
+            "bit-exact guarantee does not hold here" % (problem, _cpu_flags())
+        )
+
+
+def _cpu_flags() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return " ".join(f for f in wanted if f in flags.split()) or "none of " + "/".join(wanted)

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from hybridpd.checkpoints import checkpoint_position
-from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
+from tests.unit.engine_helpers import assert_no_leaks, bundled_model, make_engine, prompt, req  # noqa: F401
+
+#: bit-exact comparisons: only where fp32 matmul rows are batch-invariant (checked)
+pytestmark = pytest.mark.usefixtures("fp32_row_exact")
 
 
 def _exported(eng, toks, max_tokens: int = 1) -> list[int]:  # type: ignore[no-untyped-def]

@@ -52,17 +52,45 @@ def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, o
 
 
 def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+    """Prefill requests ``(rid, tokens, max_tokens[, corrupt])``; with ``corrupt``
+    the request's first attention KV block is negated (every attention layer)
+    before the handoff is offered: the fault the comparison must catch."""
     eng = _engine("prefill", overrides, side_port)
     q_out.put("ready")
     while (msg := q_in.get()) != "exit":
-        rid, toks, max_tokens = msg
+        rid, toks, max_tokens, *rest = msg
         eng.add_request(req(rid, toks, max_tokens), prefill_only=True)
         first: list[int] = []
         while eng.has_work():
             for o in eng.step():
                 first.extend(o.new_token_ids)
-        q_out.put(eng.handoffs.pop(rid))
+        handoff = eng.handoffs.pop(rid)
+        if rest and rest[0]:
+            corrupt_first_attention_block(eng, handoff.kv_transfer_params)
+        q_out.put(handoff)
     q_out.put("bye")
+
+
+def corrupt_first_attention_block(eng, params: dict[str, Any]) -> int:  # type: ignore[no-untyped-def]
+    """Negate the KV of the handoff's first attention block in every full-attention
+    layer of ``eng`` (in place, in the KV cache decode will READ); returns the
+    number of layers touched."""
+    import torch
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    block_ids = params["remote_block_ids"]  # one list per KV cache group
+    groups = eng.engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    ctx = eng.engine.vllm_config.compilation_config.static_forward_context
+    touched = 0
+    for name, layer in ctx.items():
+        if not isinstance(layer, Attention):
+            continue
+        group = next(i for i, g in enumerate(groups) if name in g.layer_names)
+        with torch.inference_mode():
+            layer.kv_cache[block_ids[group][0]].neg_()  # [num_blocks, ...]: the block's K and V
+        touched += 1
+    assert touched, "no attention layer found"
+    return touched
 
 
 def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
@@ -134,3 +162,79 @@ def run_local(prompts: list[tuple[str, list[int]]], max_tokens: int, **overrides
         return q.get(timeout=600)
     finally:
         p.join(60)
+
+
+def reference_worker(
+    q_out, prompts, max_tokens: int, candidates: dict[str, list[int]], overrides: dict[str, Any]
+) -> None:  # type: ignore[no-untyped-def]
+    """The reference of the tolerance-aware comparison (``tests/greedy.py``): a
+    local engine with the tests' settings, prefix caching off, runs each prompt
+    greedily with its top-2 logprobs (-> margins), then ``prompt + candidate``
+    with prompt logprobs (teacher forcing -> each candidate token's deficit)."""
+    from vllm.sampling_params import SamplingParams
+
+    eng = _engine("local", {**overrides, "enable_prefix_caching": False})
+    core = eng.engine
+
+    def run(rid: str, toks: list[int], sp: Any) -> Any:
+        core.add_request(rid, {"prompt_token_ids": list(toks)}, sp)
+        final = None
+        while core.has_unfinished_requests():
+            for o in core.step():
+                if o.finished:
+                    final = o
+        return final
+
+    def ranked(entry: Any) -> list[float]:
+        return sorted((lp.logprob for lp in entry.values()), reverse=True)
+
+    out: dict[str, Any] = {}
+    for rid, toks in prompts:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, ignore_eos=True, detokenize=False)
+        comp = run(rid, toks, sp).outputs[0]
+        margins = []
+        for entry in comp.logprobs:
+            top = ranked(entry)
+            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        deficits = None
+        cand = candidates.get(rid)
+        if cand is not None:
+            sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, detokenize=False)
+            pl = run(rid + "-forced", list(toks) + list(cand), sp).prompt_logprobs
+            deficits = []
+            for j, t in enumerate(cand):
+                entry = pl[len(toks) + j]
+                deficits.append(ranked(entry)[0] - entry[t].logprob)
+        out[rid] = {"tokens": list(comp.token_ids), "margins": margins, "deficits": deficits}
+    q_out.put(out)
+
+
+def run_reference(
+    prompts: list[tuple[str, list[int]]], max_tokens: int, candidates: dict[str, list[int]], **overrides: Any
+) -> dict[str, Any]:
+    """``reference_worker`` in a fresh spawned process: per prompt, a
+    ``GreedyReference`` and the candidate's teacher-forced deficits."""
+    import multiprocessing as mp
+
+    from tests.greedy import GreedyReference
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=reference_worker, args=(q, prompts, max_tokens, candidates, overrides))
+    p.start()
+    try:
+        raw = q.get(timeout=600)
+    finally:
+        p.join(60)
+    return {rid: (GreedyReference(r["tokens"], r["margins"]), r["deficits"]) for rid, r in raw.items()}
+
+
+def assert_match_reference(prompts: list[tuple[str, list[int]]], max_tokens: int, got: dict[str, list[int]]) -> None:
+    """Every ``got[rid]`` is a greedy output of a local no-cache run of its
+    prompt up to bf16 rounding (``tests/greedy.py``'s rule, teacher-forced)."""
+    from tests.greedy import BF16_TOL, assert_greedy_matches
+
+    refs = run_reference(prompts, max_tokens, got)
+    for rid, _ in prompts:
+        ref, deficits = refs[rid]
+        assert_greedy_matches(got[rid], ref, BF16_TOL, deficits, what=rid)

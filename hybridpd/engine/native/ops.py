@@ -1,10 +1,16 @@
 """Numeric building blocks, written for exactness across execution paths.
 
-NOTE (measured on this project's CPU torch/MKL, fp32): a matmul row's result
-is bit-identical for every M >= 16 rows and every row slot, but M < 16 takes
-other kernels and differs by ~1e-5. :func:`rows_mm` therefore pads to 16
-rows, so a token's numbers never depend on how many other tokens share its
-batch, chunk or step (batch invariance, checked by tests).
+NOTE (measured with torch 2.13 CPU / MKL 2024.2 on Intel Xeon, Sapphire
+Rapids: AVX-512, AMX-BF16, AVX512-BF16; 1 and 2 threads): in fp32 a matmul
+row's result is bit-identical for every M >= 16 rows and every row slot, but
+M < 16 takes other kernels and differs by ~1e-5. :func:`rows_mm` therefore
+pads to 16 rows, so a token's numbers never depend on how many other tokens
+share its batch, chunk or step (batch invariance, checked by tests). In bf16
+the same machine does NOT have the property (oneDNN's AMX kernels differ
+with M by ~1e-5), so bf16 paths are compared with a tolerance, never bit for
+bit. :func:`row_invariance_problem` checks the property on the machine at
+hand: the bit-exact tests run only where it holds (else they skip, saying
+why), so no verdict depends on the CPU model.
 """
 
 from __future__ import annotations
@@ -22,6 +28,39 @@ def rows_mm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x @ weight.T
     pad = x.new_zeros((MIN_ROWS - n, x.shape[1]))
     return (torch.cat([x, pad]) @ weight.T)[:n]
+
+
+def row_invariance_problem(dtype: torch.dtype = torch.float32) -> str | None:
+    """``None`` if :func:`rows_mm` is row-invariant here for ``dtype`` (a row's
+    result does not depend on M >= 16, on its slot, or on the thread count),
+    else what differed. Checked on the tiny models' weight shapes."""
+    gen = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    try:
+        for k, n in ((256, 512), (512, 256), (256, 2048), (256, 768), (512, 1024)):
+            w = torch.randn(n, k, generator=gen).to(dtype)
+            x = torch.randn(320, k, generator=gen).to(dtype)
+            ref = rows_mm(x[:MIN_ROWS], w)
+            for t in sorted({1, threads}):
+                torch.set_num_threads(t)
+                for m in (1, 5, 16, 17, 31, 48, 64, 100, 256, 320):
+                    got = rows_mm(x[:m], w)
+                    if not torch.equal(got[: min(m, MIN_ROWS)], ref[: min(m, MIN_ROWS)]):
+                        return "rows of M=%d differ from M=%d (%dx%d weight, %s, %d threads)" % (
+                            m,
+                            MIN_ROWS,
+                            k,
+                            n,
+                            dtype,
+                            t,
+                        )
+                for slot in (1, 7, 15, 40):
+                    xs = torch.cat([x[100 : 100 + slot], x[:1], x[200 : 200 + max(0, MIN_ROWS - 1 - slot)]])
+                    if not torch.equal(rows_mm(xs, w)[slot], ref[0]):
+                        return "row slot %d differs (%dx%d weight, %s, %d threads)" % (slot, k, n, dtype, t)
+    finally:
+        torch.set_num_threads(threads)
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
