@@ -120,7 +120,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     except HybridPDError as exc:
         stack.stop()
         click.echo("error: %s" % exc, err=True)
-        sys.exit(1)
+        sys.exit(2 if isinstance(exc, ConfigError) else 1)  # an actor that failed to start: 1
     except BaseException:
         stack.stop()
         raise
@@ -241,6 +241,38 @@ def bench_router(json_path: str) -> None:
                 r["ratio_p99_vs_vllm_chain"],
             )
         )
+    click.echo("checks: %s" % out["checks"])
+    click.echo("wrote %s" % json_path)
+
+
+@bench.command("overhead")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/overhead.json", show_default=True
+)
+@click.option("--quick", is_flag=True, help="Fewer requests per concurrency level.")
+@click.option("--prompt-tokens", default=1024, show_default=True, type=click.IntRange(16, 8192))
+@click.option("--output-tokens", default=32, show_default=True, type=click.IntRange(2, 1024))
+def bench_overhead(json_path: str, quick: bool, prompt_tokens: int, output_tokens: int) -> None:
+    """TTFT/ITL of the engine in-process vs through the stack (1 prefill + 1 decode), same run."""
+    from pathlib import Path
+
+    from hybridpd.benchmarks import overhead
+
+    out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens)
+    for side, levels in out["results"].items():
+        for level, r in levels.items():
+            click.echo(
+                "%-6s %-14s TTFT p50 %8.1f p99 %8.1f ms   ITL p50 %6.2f p99 %6.2f ms   %7.1f tok/s"
+                % (
+                    side,
+                    level,
+                    r["ttft_ms"]["p50"],
+                    r["ttft_ms"]["p99"],
+                    r["itl_ms"]["p50"],
+                    r["itl_ms"]["p99"],
+                    r["output_tokens_per_s"],
+                )
+            )
     click.echo("checks: %s" % out["checks"])
     click.echo("wrote %s" % json_path)
 
