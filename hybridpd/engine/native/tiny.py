@@ -1,12 +1,21 @@
-"""The bundled tiny model: built reproducibly from the repo on first use.
+"""The bundled tiny models: built from the repo on first use.
 
-``resolve_model_dir("tiny")`` returns a directory under ``$HYBRIDPD_HOME``
-(default ``~/.cache/hybridpd``) holding ``config.json``, seeded
-``model.safetensors``, the committed tokenizer and the committed EAGLE head
-(``assets/``). The directory name carries a digest of everything that goes
-into it, so a change of config, seed or assets builds a fresh one.
+``resolve_model_dir(name)`` returns a directory under ``$HYBRIDPD_HOME``
+(default ``~/.cache/hybridpd``) holding ``config.json``, ``model.safetensors``,
+the committed tokenizer and an EAGLE head ``draft.safetensors``:
 
-    python -m hybridpd.engine.native.tiny [--out DIR]
+* ``tiny``: the trained model (``scripts/train_tiny.py``): the committed
+  bf16 weights ``assets/tiny.safetensors`` (written out as fp32; an engine
+  with ``dtype: bfloat16`` rounds them back exactly) and its draft head
+  ``assets/draft.safetensors`` (``scripts/train_eagle.py``).
+* ``tiny-random``: seeded random weights (:data:`TINY_CONFIG`, 8 layers) and
+  the head distilled on them (``assets/draft-random.safetensors``); for tests
+  that need speed or the original model.
+
+The directory name carries a digest of everything that goes into it, so a
+change of config, seed or assets builds a fresh one.
+
+    python -m hybridpd.engine.native.tiny [--model tiny|tiny-random] [--out DIR]
 """
 
 from __future__ import annotations
@@ -20,26 +29,37 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from safetensors.torch import load_file
+
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.weights import init_weights, save_weights, weights_digest
 
 logger = logging.getLogger(__name__)
 
 TINY_SEED = 1234
+#: ``tiny-random``: seeded random weights (fast tests; the original bundled model).
 TINY_CONFIG = HybridModelConfig()
+#: ``tiny``: trained by ``scripts/train_tiny.py``; weights committed in ``assets/tiny.safetensors``.
+TRAINED_CONFIG = HybridModelConfig(num_layers=4)
 ASSETS = Path(__file__).parent / "assets"
-ASSET_FILES = ("tokenizer.json", "tokenizer_config.json", "draft.safetensors")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+#: bundled model name -> (config, committed weights or None for seeded random, committed draft head)
+BUNDLED = {
+    "tiny": (TRAINED_CONFIG, "tiny.safetensors", "draft.safetensors"),
+    "tiny-random": (TINY_CONFIG, None, "draft-random.safetensors"),
+}
 
 
 def home() -> Path:
     return Path(os.environ.get("HYBRIDPD_HOME", Path.home() / ".cache" / "hybridpd"))
 
 
-def _digest() -> str:
-    h = hashlib.sha256(TINY_CONFIG.to_json().encode() + str(TINY_SEED).encode())
-    for name in ASSET_FILES:
-        p = ASSETS / name
-        if p.exists():
+def _digest(model: str) -> str:
+    cfg, weights, draft = BUNDLED[model]
+    h = hashlib.sha256(cfg.to_json().encode() + str(TINY_SEED).encode())
+    for name in (*TOKENIZER_FILES, weights, draft):
+        p = ASSETS / name if name else None
+        if p is not None and p.exists():
             h.update(p.read_bytes())
     return h.hexdigest()[:12]
 
@@ -61,41 +81,47 @@ def build_atomically(out: Path, write: Callable[[Path], None]) -> Path:
     return out
 
 
-def build_tiny(out: Path) -> Path:
-    """Write the tiny model into ``out`` (atomically: built aside, then renamed)."""
+def build_tiny(out: Path, model: str = "tiny") -> Path:
+    """Write a bundled model into ``out`` (atomically: built aside, then renamed)."""
+    cfg, weights_file, draft = BUNDLED[model]
 
     def write(tmp: Path) -> None:
-        (tmp / "config.json").write_text(TINY_CONFIG.to_json())
-        weights = init_weights(TINY_CONFIG, TINY_SEED)
+        (tmp / "config.json").write_text(cfg.to_json())
+        if weights_file is None:
+            weights = init_weights(cfg, TINY_SEED)
+        else:
+            weights = {k: v.float() for k, v in load_file(str(ASSETS / weights_file)).items()}
         save_weights(tmp / "model.safetensors", weights, {"sha256": weights_digest(weights)})
-        for name in ASSET_FILES:
-            if (ASSETS / name).exists():
-                shutil.copy(ASSETS / name, tmp / name)
+        for name in TOKENIZER_FILES:
+            shutil.copy(ASSETS / name, tmp / name)
+        if (ASSETS / draft).exists():
+            shutil.copy(ASSETS / draft, tmp / "draft.safetensors")
 
     return build_atomically(out, write)
 
 
 def resolve_model_dir(model: str) -> Path:
-    """'tiny' -> the built tiny model (built now if missing); else a directory."""
-    if model == "tiny":
-        out = home() / "models" / ("tiny-" + _digest())
+    """'tiny' / 'tiny-random' -> the built bundled model (built now if missing); else a directory."""
+    if model in BUNDLED:
+        out = home() / "models" / ("%s-%s" % (model, _digest(model)))
         if not (out / "model.safetensors").exists():
-            logger.info("building the tiny model into %s", out)
-            build_tiny(out)
+            logger.info("building the %s model into %s", model, out)
+            build_tiny(out, model)
         return out
     path = Path(model)
     if not (path / "config.json").exists():
         from hybridpd.errors import ConfigError
 
-        raise ConfigError("model", "%s is not a model directory (no config.json); use 'tiny' or a path" % model)
+        raise ConfigError("model", "%s is not a model directory (no config.json); use 'tiny', 'tiny-random' or a path" % model)
     return path
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(BUNDLED), default="tiny")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    print(build_tiny(args.out) if args.out else resolve_model_dir("tiny"))
+    print(build_tiny(args.out, args.model) if args.out else resolve_model_dir(args.model))
 
 
 if __name__ == "__main__":
