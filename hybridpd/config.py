@@ -33,7 +33,11 @@ class HybridPDConfig(BaseModel):
     # -- model and engine
     engine: Literal["native", "vllm"] = Field("native", description="Engine behind every actor.")
     model: str = Field("tiny", description="Model: 'tiny' (bundled native model), a directory, or an HF id (vllm).")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Compute dtype.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Compute dtype; auto: float32 (native), bfloat16 (vllm on cpu: its GDN kernels need it),"
+        " the model's own (vllm on cuda).",
+    )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Device the engine runs on.")
     max_model_len: int = Field(16384, ge=16, le=1 << 20, description="Longest prompt + completion, tokens.")
 
@@ -141,6 +145,14 @@ class HybridPDConfig(BaseModel):
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("redis_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_url)
         return self
+
+    def engine_dtype(self) -> str:
+        """``dtype`` with 'auto' resolved for the engine (vLLM on CUDA keeps 'auto': the model's own)."""
+        if self.dtype != "auto":
+            return self.dtype
+        if self.engine == "native":
+            return "float32"
+        return "bfloat16" if self.device == "cpu" else "auto"
 
     def metadata_url(self) -> str | None:
         """The Mooncake metadata URL for an external master (None: local stack)."""

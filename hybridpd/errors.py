@@ -48,12 +48,22 @@ class UnavailableError(HybridPDError):
     """A dependency (Redis, store, actor) cannot be reached right now."""
 
 
+class EngineError(UnavailableError):
+    """An engine failed while serving a request with an error of its own (an
+    assertion in a kernel, say). The request may succeed on another instance; the
+    message names the instance and the engine's error."""
+
+
 class AuthError(HybridPDError):
     """Missing or invalid credentials."""
 
 
 class DeadlineError(HybridPDError):
     """The request did not finish within its deadline."""
+
+
+class StartupError(HybridPDError):
+    """A part of the stack (an actor) failed to start; the message carries its error."""
 
 
 class IntegrityError(HybridPDError):
@@ -81,6 +91,20 @@ _GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
 ]
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The error itself: for one an actor raised, the actor's exception rather than
+    Ray's wrapper (whose message is a remote traceback)."""
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError carries the actor's exception
+    if isinstance(cause, BaseException) and cause is not exc:
+        return unwrap(cause)
+    return exc
+
+
+def describe(exc: BaseException) -> str:
+    """The message of ``exc`` for a client (see :func:`unwrap`)."""
+    return str(unwrap(exc))
 
 
 def http_status(exc: BaseException) -> HTTPStatus:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,45 @@ def free_port(host: str = "127.0.0.1") -> int:
             port = s.getsockname()[1]
         if port != RAY_DEFAULT_PORT:
             return port
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for bind(0) and outgoing connections (Linux; 32768-60999 elsewhere)."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports, each free on ``host`` now, for servers that bind them later.
+
+    They are drawn below the kernel's ephemeral range: a port from that range
+    (what :func:`free_port` returns) is handed to the next bind(0) or outgoing
+    connection of any process on the machine, so one chosen there can be taken
+    before a slow starter binds it (vLLM binds its NIXL side channel only at
+    the end of its engine start, seconds later)."""
+    lo, _ = ephemeral_range()
+    pool = [p for p in range(10000, lo) if p != RAY_DEFAULT_PORT]
+    if len(pool) < 100 * n:  # an unusual ephemeral range: take what the kernel gives
+        out: list[int] = []
+        while len(out) < n:
+            p = free_port(host)
+            if p not in out:
+                out.append(p)
+        return out
+    out = []
+    for port in random.sample(pool, len(pool)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        out.append(port)
+        if len(out) == n:
+            return out
+    raise UnavailableError("no %d free ports on %s" % (n, host))
 
 
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:

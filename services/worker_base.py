@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
+from hybridpd.errors import EngineError, HybridPDError, StartupError
 from services.actor_metrics import ActorMetrics
 from services.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
 
 
 class WorkerBase:
@@ -41,12 +48,77 @@ class WorkerBase:
         if kind != known:
             raise ValueError("unknown fault %r" % kind)
 
+    @contextmanager
+    def engine_errors(self) -> Iterator[None]:
+        """Around a request: an engine's own exception (not one of ours) becomes an
+        EngineError naming this worker and the error, which the router maps like any
+        other (503, the request retried elsewhere where it can be)."""
+        try:
+            yield
+        except HybridPDError:
+            raise
+        except Exception as exc:
+            logger.exception("%s: engine failure", self.name)
+            raise EngineError("engine failure on %s: %s: %s" % (self.name, type(exc).__name__, exc)) from exc
+
     def ready(self) -> str:
         """Returns once the actor is constructed (engine loaded)."""
         return self.name
 
     def model_id(self) -> str:
         return self.engine.model_id
+
+
+@contextmanager
+def startup_guard(name: str, grace_s: float = 5.0) -> Iterator[None]:
+    """While a worker is constructed, an exception escaping any thread fails the construction.
+
+    An engine's constructor may wait for a thread it started: vLLM's waits, with no timeout,
+    for its NIXL handshake listener, which dies if its port is taken, and the actor would
+    hang forever while `hybridpd up` waits for it. So an uncaught thread exception is
+    recorded and, if the constructor is still running ``grace_s`` later, raised in the main
+    thread as a StartupError (a signal interrupts its wait); the creation task fails with
+    it, and `hybridpd up` exits with it. Outside the main thread this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    failed: list[StartupError] = []
+    state = threading.Lock()
+    active = [True]
+    prev_hook = threading.excepthook
+
+    def interrupt() -> None:
+        with state:
+            if active[0]:
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGUSR2)
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        prev_hook(args)
+        if failed or args.exc_type is SystemExit:
+            return
+        thread = args.thread.name if args.thread is not None else "?"
+        failed.append(
+            StartupError(
+                "%s: thread %r failed while starting: %s: %s" % (name, thread, args.exc_type.__name__, args.exc_value)
+            )
+        )
+        timer = threading.Timer(grace_s, interrupt)
+        timer.daemon = True
+        timer.start()
+
+    def on_signal(signum: int, frame: object) -> None:
+        if failed:
+            raise failed[0]
+
+    prev_signal = signal.signal(signal.SIGUSR2, on_signal)
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        with state:
+            active[0] = False
+        threading.excepthook = prev_hook
+        signal.signal(signal.SIGUSR2, prev_signal)
 
 
 def ray_metrics(name: str, counters: dict, gauges: dict, histograms: dict) -> ActorMetrics | None:

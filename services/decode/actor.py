@@ -23,13 +23,17 @@ from hybridpd.transfer.nixl_handoff import HandoffClient
 from services.actor_metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
 from services.engine_loop import EngineLoop
 from services.messages import PrefillResult, TokenChunk
-from services.worker_base import WorkerBase, ray_metrics
+from services.worker_base import WorkerBase, ray_metrics, startup_guard
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(WorkerBase):
     def __init__(self, cfg: HybridPDConfig, name: str) -> None:
+        with startup_guard(name):
+            self._start(cfg, name)
+
+    def _start(self, cfg: HybridPDConfig, name: str) -> None:
         self.cfg = cfg
         self.name = name
         self.engine = make_engine(cfg, "decode")
@@ -85,6 +89,10 @@ class DecodeWorker(WorkerBase):
 
     def generate(self, prefill: PrefillResult, request) -> Iterator[TokenChunk]:
         """Continue ``request`` from its prefill; yields chunks until finished."""
+        with self.engine_errors():
+            yield from self._generate(prefill, request)
+
+    def _generate(self, prefill: PrefillResult, request) -> Iterator[TokenChunk]:
         handoff: Handoff | VllmHandoff
         if prefill.transfer_params is not None:  # vLLM: its NixlConnector pulls the KV
             handoff = VllmHandoff(request, None, prefill.num_cached_tokens, prefill.transfer_params)

@@ -36,7 +36,7 @@ from hybridpd.transfer.nixl_handoff import HandoffServer
 from services.actor_metrics import PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS
 from services.engine_loop import EngineLoop
 from services.messages import PrefillCommand, PrefillResult
-from services.worker_base import WorkerBase, ray_metrics
+from services.worker_base import WorkerBase, ray_metrics, startup_guard
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,17 @@ class PrefillWorker(WorkerBase):
     """The actor's body (plain class, so tests can also run it in-process)."""
 
     def __init__(
+        self,
+        cfg: HybridPDConfig,
+        name: str,
+        redis_url: str | None,
+        mooncake_master: str | None,
+        metadata_url: str | None,
+    ) -> None:
+        with startup_guard(name):
+            self._start(cfg, name, redis_url, mooncake_master, metadata_url)
+
+    def _start(
         self,
         cfg: HybridPDConfig,
         name: str,
@@ -102,7 +113,8 @@ class PrefillWorker(WorkerBase):
     def prefill(self, cmd: PrefillCommand) -> PrefillResult:
         t0 = time.perf_counter()
         try:
-            return self._prefill(cmd)
+            with self.engine_errors():
+                return self._prefill(cmd)
         finally:
             self._observe("prefill_seconds", time.perf_counter() - t0)
 

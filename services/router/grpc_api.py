@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hybridpd.auth import ApiKeys
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.errors import HybridPDError, InvalidRequestError, grpc_code
+from hybridpd.errors import HybridPDError, InvalidRequestError, describe, grpc_code
 from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2, generate_pb2_grpc
 from services.router.orchestrator import Orchestrator
@@ -58,7 +58,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             top_p=s.top_p or 1.0,
             top_k=s.top_k,
             seed=s.seed if s.has_seed else None,
-            stop_token_ids=tok.stop_token_ids,
+            stop_token_ids=() if s.ignore_eos else tok.stop_token_ids,  # the tokenizer's end-of-turn ids are EOS too
             ignore_eos=s.ignore_eos,
         )
         if len(msg.cache_salt) > 256:
@@ -89,7 +89,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     )
                 yield resp
         except HybridPDError as exc:
-            await context.abort(grpc_code(exc), str(exc))
+            await context.abort(grpc_code(exc), describe(exc))
 
     async def Abort(
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -97,7 +97,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             self._tenant(context)
         except HybridPDError as exc:
-            await context.abort(grpc_code(exc), str(exc))
+            await context.abort(grpc_code(exc), describe(exc))
         return generate_pb2.AbortResponse(found=self.orch.abort(request.request_id))
 
 

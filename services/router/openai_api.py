@@ -23,7 +23,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridpd.auth import ApiKeys
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.errors import AuthError, HybridPDError, InvalidRequestError, NotFoundError, OverloadedError, http_status
+from hybridpd.errors import (
+    AuthError,
+    HybridPDError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    describe,
+    http_status,
+    unwrap,
+)
 from hybridpd.tokenizer import ChatMessage
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from services.router.orchestrator import Event, Orchestrator
@@ -99,7 +108,7 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
     async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
         status = int(http_status(exc))
         headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
-        return _error(status, str(exc), type(exc).__name__, headers)
+        return _error(status, describe(exc), type(unwrap(exc)).__name__, headers)
 
     def engine_request(
         body: _Common, tokens: list[int], rid: str, default_max: int, tenant: str | None
@@ -115,7 +124,7 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
             top_p=body.top_p,
             top_k=body.top_k,
             seed=body.seed,
-            stop_token_ids=orch.tokenizer.stop_token_ids,
+            stop_token_ids=() if body.ignore_eos else orch.tokenizer.stop_token_ids,  # end-of-turn ids are EOS too
             ignore_eos=body.ignore_eos,
         )
         return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt))
@@ -249,7 +258,7 @@ async def _sse(
     except HybridPDError as exc:
         # NOTE: the status line is already sent: report the failure in-stream and
         # end WITHOUT [DONE], so no client mistakes a cut stream for a finished one.
-        err = {"error": {"message": str(exc), "type": type(exc).__name__, "code": int(http_status(exc))}}
+        err = {"error": {"message": describe(exc), "type": type(unwrap(exc)).__name__, "code": int(http_status(exc))}}
         yield b"data: " + json.dumps(err).encode() + b"\n\n"
         return
     finally:

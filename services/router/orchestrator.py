@@ -33,6 +33,7 @@ from hybridpd.errors import (
     NotFoundError,
     OverloadedError,
     UnavailableError,
+    describe,
 )
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
@@ -178,7 +179,7 @@ class Orchestrator:
             except (RayActorError, UnavailableError) as exc:
                 self.recent.forget_instance(name)  # restarted or failing: its cache is not to be counted on
                 if attempt == 1 or len(names) < 2:
-                    raise UnavailableError("prefill of %s failed: %s" % (req.request_id, exc)) from None
+                    raise UnavailableError("prefill of %s failed: %s" % (req.request_id, describe(exc))) from None
                 logger.warning("prefill of %s on %s failed (%s): retrying on %s", req.request_id, name, exc, names[1])
                 self.metrics.retries.labels("prefill").inc()
             finally:
@@ -203,7 +204,7 @@ class Orchestrator:
                 return
             except (IntegrityError, HandoffError, RayActorError) as exc:
                 if started or attempt == 1:
-                    raise UnavailableError("decode of %s failed: %s" % (req.request_id, exc)) from None
+                    raise UnavailableError("decode of %s failed: %s" % (req.request_id, describe(exc))) from None
                 logger.warning("handoff of %s failed (%s): prefilling again", req.request_id, exc)
                 self.metrics.retries.labels("handoff").inc()
                 others = [x for x in sorted(self.prefill) if x != pr.instance] or [pr.instance]

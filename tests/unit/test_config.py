@@ -88,3 +88,19 @@ def test_gpu_worker_groups_need_gpus_per_actor() -> None:
         load_config(env={}, overrides=base)
     cfg = load_config(env={}, overrides={**base, "actor_num_gpus": 1})
     assert cfg.actor_num_gpus == 1.0 and cfg.store_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        ({}, "float32"),  # native
+        ({"engine": "vllm"}, "bfloat16"),  # vLLM's CPU GDN kernels are bf16-only
+        ({"engine": "vllm", "device": "cuda"}, "auto"),  # the model's own dtype
+        ({"engine": "vllm", "dtype": "float32"}, "float32"),  # explicit wins (checked against the model later)
+        ({"dtype": "bfloat16"}, "bfloat16"),
+    ],
+)
+def test_dtype_auto_resolves_per_engine(overrides: dict[str, object], want: str) -> None:
+    cfg = load_config(env={}, overrides=overrides)
+    assert cfg.engine_dtype() == want
+    assert load_config(env={}).dtype == "auto"

@@ -77,3 +77,24 @@ def test_eagle3_and_mtp(tmp_path: Path) -> None:
     assert e3["method"] == "eagle3" and e3["model"] == str(tmp_path / "eagle3")
     with pytest.raises(ConfigError, match="eagle only"):
         load_config(env={}, overrides={"speculative_method": "mtp"})
+
+
+def _model_dir(tmp_path: Path, arch: str) -> Path:
+    (tmp_path / "config.json").write_text('{"architectures": ["%s"], "model_type": "x"}' % arch)
+    return tmp_path
+
+
+def test_cpu_float32_is_refused_for_gdn_models_naming_dtype(tmp_path: Path) -> None:
+    from hybridpd.engine.vllm.args import check_dtype
+
+    gdn = _model_dir(tmp_path, "Qwen3NextForCausalLM")
+    with pytest.raises(ConfigError, match="dtype") as err:
+        check_dtype(_cfg(dtype="float32"), gdn)
+    assert err.value.field == "dtype"
+    check_dtype(_cfg(), gdn)  # auto: bfloat16 on CPU
+    check_dtype(_cfg(dtype="bfloat16"), gdn)
+    check_dtype(_cfg(dtype="float32", device="cuda"), gdn)
+    (tmp_path / "dense").mkdir()
+    check_dtype(_cfg(dtype="float32"), _model_dir(tmp_path / "dense", "LlamaForCausalLM"))
+    check_dtype(_cfg(dtype="float32"), "org/some-hf-id")  # not a local directory: not checked here
+    assert engine_kwargs(_cfg(), MODEL, "prefill")["dtype"] == "bfloat16"

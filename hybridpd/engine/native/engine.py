@@ -94,7 +94,7 @@ class NativeEngine:
             )
         self.cfg = cfg
         self.device = torch.device(cfg.device)
-        dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+        dtype = torch.float32 if cfg.engine_dtype() == "float32" else torch.bfloat16
         path = model_dir or resolve_model_dir(cfg.model)
         self.mcfg = HybridModelConfig.load(path / "config.json")
         self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)

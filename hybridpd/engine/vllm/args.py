@@ -16,6 +16,7 @@ store (vLLM reads the store's address from the JSON file named by
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,6 +78,29 @@ def speculative_config(cfg: HybridPDConfig, role: Role, model_dir: Path) -> dict
     return {"method": cfg.speculative_method, "model": str(draft), "num_speculative_tokens": cfg.num_speculative_tokens}
 
 
+#: architectures built on vLLM's gated-delta-net layer (qwen_gdn_linear_attn), whose CPU kernel is bf16-only
+GDN_ARCHITECTURES = ("Qwen3Next", "Qwen3_5", "OlmoHybrid", "InternS2Mobius")
+
+
+def check_dtype(cfg: HybridPDConfig, model: Path | str) -> None:
+    """Refuse float32 for a GDN model on CPU: vLLM's CPU GDN kernel asserts bfloat16
+    on every request ("CPU GDN attention requires BF16"), so such an engine would start
+    and then fail every request. ``model``: a local directory (an HF id is not checked)."""
+    if cfg.device != "cpu" or cfg.engine_dtype() != "float32":
+        return
+    try:
+        hf = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not a local model directory (or no readable config): vLLM's own checks apply
+    archs = [a for a in hf.get("architectures") or () if isinstance(a, str) and a.startswith(GDN_ARCHITECTURES)]
+    if archs:
+        raise ConfigError(
+            "dtype",
+            "vLLM on CPU runs the gated-delta-net layers of %s (%s) in bfloat16 only, got float32;"
+            " use bfloat16 or auto (the default)" % (model, archs[0]),
+        )
+
+
 def engine_kwargs(
     cfg: HybridPDConfig,
     model_dir: Path,
@@ -96,7 +120,7 @@ def engine_kwargs(
         raise ConfigError("engine", "unknown vLLM engine role %r" % role)
     kw: dict[str, Any] = {
         "model": str(model_dir),
-        "dtype": cfg.dtype,
+        "dtype": cfg.engine_dtype(),
         "max_model_len": cfg.max_model_len,
         "max_num_seqs": cfg.max_num_seqs,
         "max_num_batched_tokens": max(cfg.max_num_batched_tokens, cfg.max_model_len),
