@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.errors import UnavailableError
+from hybridpd.errors import StartupError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
-from hybridpd.procs import port_open
+from hybridpd.procs import listen_ports, port_open
 from hybridpd.store.master import MooncakeMaster
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class LocalStack:
         self.model_id = ""
 
     def start(self) -> StackUrls:
+        self.check()
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             self._start_redis()
@@ -64,6 +66,14 @@ class LocalStack:
             self.stop()
             raise
         return self.urls
+
+    def check(self) -> None:
+        """Config errors that need the model, raised before anything starts (ConfigError)."""
+        if self.cfg.engine == "vllm":
+            from hybridpd.engine.factory import resolve_model
+            from hybridpd.engine.vllm.args import check_dtype
+
+            check_dtype(self.cfg, resolve_model(self.cfg))  # else: a failure on every request
 
     def _start_redis(self) -> None:
         if self.cfg.redis_url:
@@ -134,6 +144,20 @@ class LocalStack:
             "max_restarts": 3,
             "runtime_env": {"env_vars": env},
         }
+        if self.cfg.engine == "vllm" and self.cfg.actor_placement != "worker_groups":
+            # NOTE: every port an actor binds is its own: vLLM's NIXL side channel (fixed by
+            # default) gets a distinct port per actor, chosen here where all of them are known
+            names = [*self._prefill_names(), *self._decode_names()]
+            side = dict(zip(names, listen_ports(len(names)), strict=True))
+        else:
+            side = {}
+
+        def with_env(o: dict[str, Any], name: str) -> dict[str, Any]:
+            if name not in side:
+                return o
+            vars_ = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side[name]), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+            return {**o, "runtime_env": {"env_vars": vars_}}
+
         prefill_opts, decode_opts = dict(opts), dict(opts)
         if self.cfg.actor_placement == "worker_groups":
             # NOTE: detached + get_if_exists: every router replica attaches to the same actors
@@ -143,22 +167,57 @@ class LocalStack:
         elif self.cfg.actor_num_gpus:
             prefill_opts["num_gpus"] = decode_opts["num_gpus"] = self.cfg.actor_num_gpus
         self.prefill = {
-            "prefill-%d" % i: PrefillActor.options(name="prefill-%d" % i, **prefill_opts).remote(
-                self.cfg,
-                "prefill-%d" % i,
-                self.urls.redis_url,
-                self.urls.mooncake_master,
-                self.urls.mooncake_metadata_url,
+            n: PrefillActor.options(name=n, **with_env(prefill_opts, n)).remote(
+                self.cfg, n, self.urls.redis_url, self.urls.mooncake_master, self.urls.mooncake_metadata_url
             )
-            for i in range(self.cfg.num_prefill)
+            for n in self._prefill_names()
         }
         self.decode = [
-            DecodeActor.options(name="decode-%d" % i, **decode_opts).remote(self.cfg, "decode-%d" % i)
-            for i in range(self.cfg.num_decode)
+            DecodeActor.options(name=n, **with_env(decode_opts, n)).remote(self.cfg, n) for n in self._decode_names()
         ]
-        handles = [*self.prefill.values(), *self.decode]
-        ray.get([h.ready.remote() for h in handles], timeout=timeout_s)
+        self._wait_ready({**self.prefill, **dict(zip(self._decode_names(), self.decode, strict=True))}, timeout_s)
         self.model_id = ray.get(next(iter(self.prefill.values())).model_id.remote())
+
+    def _prefill_names(self) -> list[str]:
+        return ["prefill-%d" % i for i in range(self.cfg.num_prefill)]
+
+    def _decode_names(self) -> list[str]:
+        return ["decode-%d" % i for i in range(self.cfg.num_decode)]
+
+    def _wait_ready(self, handles: dict[str, Any], timeout_s: float) -> None:
+        """Wait until every actor is constructed. The first one that fails (or the
+        deadline) ends the wait at once with a StartupError naming the actor and its
+        error; the actors are killed then (a Ray restart would only fail again)."""
+        import ray
+
+        pending = {h.ready.remote(): name for name, h in handles.items()}
+        deadline = time.monotonic() + timeout_s
+        error: StartupError | None = None
+        while pending and error is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                error = StartupError(
+                    "actors not ready within %.0fs: %s" % (timeout_s, ", ".join(sorted(pending.values())))
+                )
+                break
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
+            for ref in done:
+                name = pending.pop(ref)
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # the actor's constructor raised, or its process died
+                    error = StartupError("actor %s failed to start: %s" % (name, _startup_cause(exc)))
+                    break
+        if error is None:
+            return
+        shared = self.cfg.actor_placement == "worker_groups"  # other router replicas' actors too
+        for h in [] if shared else handles.values():
+            try:
+                ray.kill(h, no_restart=True)
+            except Exception:  # already gone
+                logger.debug("kill failed", exc_info=True)
+        self.prefill, self.decode = {}, []
+        raise error
 
     def orchestrator(self):
         from hybridpd.engine.factory import resolve_model
@@ -203,3 +262,11 @@ class LocalStack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
+
+
+def _startup_cause(exc: BaseException) -> str:
+    """The actor's own error out of Ray's wrapper: its last line first (``Type: message``),
+    then the traceback Ray carried over."""
+    text = str(exc).strip()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "%s\n%s" % (lines[-1].strip(), text) if lines else type(exc).__name__

@@ -56,7 +56,9 @@ class EngineLoop:
             with self.lock:
                 busy = self.engine.has_work()
             if not busy:
-                self._wake.wait(0.05)
+                # NOTE: submit() and abort() set _wake, and has_work() is checked again after the
+                # clear: no wake-up is lost, so an idle loop sleeps (1 s is only a safety net)
+                self._wake.wait(1.0)
                 self._wake.clear()
                 continue
             try:

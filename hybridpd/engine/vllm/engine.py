@@ -29,6 +29,8 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +38,62 @@ from typing import Any
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, FinishReason, PoolStats, RequestId, RequestOutput
 from hybridpd.engine.native.engine import SpecStats
-from hybridpd.engine.vllm.args import Role, engine_kwargs, mooncake_config
+from hybridpd.engine.vllm.args import Role, check_dtype, engine_kwargs, mooncake_config
 from hybridpd.errors import InvalidRequestError
 from hybridpd.hashing import BlockHasher
-from hybridpd.procs import free_port
+from hybridpd.procs import listen_ports
 
 logger = logging.getLogger(__name__)
+
+
+def _nixl_without_progress_thread() -> None:
+    """vLLM's NixlConnector creates its agent with NIXL's UCX progress thread, which the
+    Python API runs with no delay: a free spin, ~40-60% of a core per idle engine on CPU.
+    Its agent is created without it (a keyword default on vLLM's config factory). Nothing
+    is lost: the connector drives NIXL from every engine step (``get_new_notifs`` and
+    ``check_xfer_state`` progress the workers), and our engine loop steps a prefill engine
+    while its KV waits for decode's read (``has_work``), a decode engine while it loads."""
+    import functools
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    make = base_worker.nixl_agent_config
+    if make is None or getattr(make, "keywords", {}).get("enable_prog_thread") is False:
+        return
+    base_worker.nixl_agent_config = functools.partial(make, enable_prog_thread=False)
+
+
+@contextmanager
+def _one_gloo_device() -> Iterator[None]:
+    """While vLLM builds its engine here, all its gloo process groups share one gloo device.
+
+    vLLM makes ~15 gloo groups even at world size 1 (world, TP, PP, DP, EP, ... each a
+    device group and a CPU group); torch gives each its own device, and each device its own
+    event-loop thread that wakes every 10 ms: ~1% of a core for an idle engine. One device
+    serves any number of groups (gloo pairs share its loop), so: one loop thread."""
+    from torch.distributed import distributed_c10d as c10d
+
+    base: Any = getattr(c10d, "ProcessGroupGloo", None)
+    if base is None:  # torch without gloo
+        yield
+        return
+    device: list[Any] = []
+
+    class SharedDeviceGloo(base):
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
+            if not device:
+                device.append(base.create_default_device())
+            opts = base._Options()
+            opts._devices = device[:1]
+            if timeout is not None:
+                opts._timeout = timeout
+            super().__init__(store, rank, size, opts)
+
+    setattr(c10d, "ProcessGroupGloo", SharedDeviceGloo)  # noqa: B010 (mypy: a module's class)
+    try:
+        yield
+    finally:
+        setattr(c10d, "ProcessGroupGloo", base)  # noqa: B010
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +131,7 @@ class VllmEngine:
     ) -> None:
         """``store``: (Mooncake master, metadata URL) for a prefill engine's shared
         prefix store (MooncakeStoreConnector beside the NixlConnector)."""
+        check_dtype(cfg, model_dir)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if cfg.device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_memory_bytes >> 30)))
@@ -89,9 +142,12 @@ class VllmEngine:
             path.write_text(json.dumps(mooncake_config(*store)))
             os.environ["MOONCAKE_CONFIG_PATH"] = str(path)
         if role != "local" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
-            # one NIXL side channel per engine process (the actors are separate processes)
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+            # one NIXL side channel per engine process (the local stack hands each actor its own
+            # port in its environment; elsewhere: one chosen here, outside the ephemeral range)
+            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(listen_ports(1)[0])
             os.environ.setdefault("VLLM_NIXL_SIDE_CHANNEL_HOST", "127.0.0.1")
+        if role != "local":
+            _nixl_without_progress_thread()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -107,7 +163,8 @@ class VllmEngine:
             store=store is not None and role == "prefill",
         )
         logger.info("starting vLLM (%s) with %s", role, kw)
-        self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
+        with _one_gloo_device():
+            self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
         self.model_id = "vllm:%s" % model_dir.name
         self.unit = cfg.prefix_match_unit
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
