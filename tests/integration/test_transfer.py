@@ -116,7 +116,12 @@ class _Server:
         assert self.proc.exitcode == 0
 
 
-def test_idle_server_uses_no_cpu_and_releases_are_noticed_within_milliseconds() -> None:
+@pytest.mark.parametrize("tls", [None, "tcp"])
+def test_idle_server_uses_no_cpu_and_releases_are_noticed_within_milliseconds(
+    tls: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if tls is not None:  # TCP: the target side of a READ and the notification need the peers' progress
+        monkeypatch.setenv("UCX_TLS", tls)
     server = _Server(timeout_s=60)
     try:
         assert server.idle_cpu_s(2.0) < 0.02  # no progress thread, no polling without offers
