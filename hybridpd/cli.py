@@ -252,13 +252,16 @@ def bench_router(json_path: str) -> None:
 @click.option("--quick", is_flag=True, help="Fewer requests per concurrency level.")
 @click.option("--prompt-tokens", default=1024, show_default=True, type=click.IntRange(16, 8192))
 @click.option("--output-tokens", default=32, show_default=True, type=click.IntRange(2, 1024))
-def bench_overhead(json_path: str, quick: bool, prompt_tokens: int, output_tokens: int) -> None:
+@click.option(
+    "--model", default="tiny", show_default=True, help="Bundled native model (tiny, tiny-random) or a directory."
+)
+def bench_overhead(json_path: str, quick: bool, prompt_tokens: int, output_tokens: int, model: str) -> None:
     """TTFT/ITL of the engine in-process vs through the stack (1 prefill + 1 decode), same run."""
     from pathlib import Path
 
     from hybridpd.benchmarks import overhead
 
-    out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens)
+    out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens, model)
     for side, levels in out["results"].items():
         for level, r in levels.items():
             click.echo(

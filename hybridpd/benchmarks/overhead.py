@@ -58,14 +58,14 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
 class EngineSide:
     """The native engine in this process, configured as the stack's actors are."""
 
-    def __init__(self, max_model_len: int) -> None:
+    def __init__(self, max_model_len: int, model: str) -> None:
         import torch
 
         from hybridpd.config import load_config
         from hybridpd.engine.native.engine import NativeEngine
 
         torch.set_num_threads(ACTOR_THREADS)
-        self.engine = NativeEngine(load_config(overrides={"max_model_len": max_model_len}))
+        self.engine = NativeEngine(load_config(overrides={"max_model_len": max_model_len, "model": model}))
         self.n = 0
 
     def batch(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
@@ -103,9 +103,9 @@ def _timing(t0: float, token_times: list[float]) -> dict[str, Any]:
     return {"ttft_s": token_times[0] - t0, "itl_s": itl, "tokens": len(token_times), "end": token_times[-1]}
 
 
-def _stream_one(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+def _stream_one(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
     body = {
-        "model": "tiny",
+        "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -129,12 +129,13 @@ def _stream_one(url: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
 
 
 class StackSide:
-    def __init__(self, url: str, concurrency: int) -> None:
+    def __init__(self, url: str, model: str, concurrency: int) -> None:
         self.url = url
+        self.model = model
         self.pool = concurrent.futures.ThreadPoolExecutor(max(concurrency, 1))
 
     def batch(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
-        return list(self.pool.map(lambda p: _stream_one(self.url, p, max_tokens), prompts))
+        return list(self.pool.map(lambda p: _stream_one(self.url, self.model, p, max_tokens), prompts))
 
 
 def _summary(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
@@ -148,19 +149,21 @@ def _summary(rows: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     }
 
 
-def run(json_path: Path, quick: bool, prompt_tokens: int = 1024, output_tokens: int = 32) -> dict[str, Any]:
+def run(
+    json_path: Path, quick: bool, prompt_tokens: int = 1024, output_tokens: int = 32, model: str = "tiny"
+) -> dict[str, Any]:
     reps = 4 if quick else 12  # batches per concurrency level and side
     levels = (1, 4)
     max_len = prompt_tokens + output_tokens + 64
-    engine = EngineSide(max_len)
+    engine = EngineSide(max_len, model)
     rows: dict[str, dict[int, list[dict[str, Any]]]] = {"engine": {c: [] for c in levels}, "stack": {}}
     walls: dict[str, dict[int, float]] = {"engine": dict.fromkeys(levels, 0.0), "stack": dict.fromkeys(levels, 0.0)}
     rows["stack"] = {c: [] for c in levels}
     seed = 0
     with tempfile.TemporaryDirectory(prefix="hybridpd-overhead-") as tmp:
-        args = ["--num-prefill", "1", "--num-decode", "1", "--max-model-len", str(max_len)]
+        args = ["--num-prefill", "1", "--num-decode", "1", "--max-model-len", str(max_len), "--model", model]
         with StackProcess(Path(tmp), args) as st:
-            sides = {"engine": engine, "stack": StackSide(st.http, max(levels))}
+            sides = {"engine": engine, "stack": StackSide(st.http, model, max(levels))}
             # warm-up: first requests pay lazy initialisation on both sides
             for side in sides.values():
                 side.batch(_prompts(2, prompt_tokens, 999), output_tokens)
@@ -189,6 +192,7 @@ def run(json_path: Path, quick: bool, prompt_tokens: int = 1024, output_tokens: 
         checks["itl_ok_c%d" % c] = ratio <= ITL_RATIO_BUDGET
     out = {
         "workload": {
+            "model": model,
             "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens,
             "batches_per_level": reps,
