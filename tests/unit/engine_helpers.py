@@ -3,18 +3,33 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
 
 VOCAB_LO, VOCAB_HI = 5, 2048  # avoid special ids 0..4
+#: the bundled models path-equality tests run on: trained weights and seeded random ones
+MODELS = ("tiny", "tiny-random")
+_model = ["tiny"]
+
+
+@pytest.fixture(scope="module", params=MODELS, autouse=True)
+def bundled_model(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs every test of a module that imports it once per bundled model
+    (``make_engine`` builds that model)."""
+    _model[0] = request.param
+    yield request.param
+    _model[0] = "tiny"
 
 
 def make_engine(**overrides: Any) -> NativeEngine:
     extra = {k: overrides.pop(k) for k in ("export_checkpoints", "record_logits", "num_state_slots") if k in overrides}
-    base: dict[str, Any] = {"num_kv_blocks": 768, "max_num_batched_tokens": 4096, "max_num_seqs": 64}
+    base: dict[str, Any] = {"model": _model[0], "num_kv_blocks": 768, "max_num_batched_tokens": 4096, "max_num_seqs": 64}
     base.update(overrides)
     return NativeEngine(load_config(env={}, overrides=base), **extra)
 

@@ -4,7 +4,8 @@ Reference = one request alone, one-shot prefill, prefix caching off. Compared
 token for token (greedy) and logits within 1e-4 (fp32): chunked prefill under
 several budgets with all requests batched, a prefix hit at every valid
 checkpoint, export -> import into a fresh engine, prefill -> decode handoff,
-and EAGLE on.
+and EAGLE on. Every test runs on both bundled models (``tiny``: trained
+weights, real-text-like logits; ``tiny-random``: seeded random weights).
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
+from tests.unit.engine_helpers import assert_no_leaks, bundled_model, make_engine, prompt, req  # noqa: F401
+
+#: bit-exact comparisons: only where fp32 matmul rows are batch-invariant (checked)
+pytestmark = pytest.mark.usefixtures("fp32_row_exact")
 
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 100, 257, 700, 1301, 2000]
 PROMPTS = {"p%d" % n: prompt(n, seed=n) for n in LENGTHS}
@@ -20,7 +24,7 @@ MAX_TOKENS = 6
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, tuple[list[int], list[torch.Tensor]]]:
+def reference(bundled_model: str) -> dict[str, tuple[list[int], list[torch.Tensor]]]:
     out = {}
     for rid, toks in PROMPTS.items():
         eng = make_engine(enable_prefix_caching=False, record_logits=True)
