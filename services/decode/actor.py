@@ -103,18 +103,11 @@ class DecodeWorker(WorkerBase):
         q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(handoff))
         try:
             while True:
-                try:
-                    out = q.get(timeout=600)
-                except queue.Empty:
-                    raise TimeoutError("decode of %s stalled" % request.request_id) from None
-                if isinstance(out, BaseException):
-                    raise out
+                chunk = _next_chunk(q, request.request_id)
                 with self.stats_lock:
-                    self.counters["decode_tokens"] += len(out.new_token_ids)
-                yield TokenChunk(
-                    out.new_token_ids, out.finished, None if out.finish_reason is None else str(out.finish_reason)
-                )
-                if out.finished:
+                    self.counters["decode_tokens"] += len(chunk.token_ids)
+                yield chunk
+                if chunk.finished:
                     return
         finally:
             # a consumer that went away (client disconnect) ends up here too
@@ -145,3 +138,24 @@ class DecodeWorker(WorkerBase):
         self._stop.set()
         self.loop.close()
         self.client.close()
+
+
+def _next_chunk(q: queue.Queue, request_id: str, stall_s: float = 600.0) -> TokenChunk:
+    """Block for the next engine output of ``request_id``, then merge every
+    output already waiting behind it into one chunk: when the engine produces
+    tokens faster than the router reads the stream (the router bounds how far
+    the generator may run ahead), they cross Ray as one object, not one each."""
+    try:
+        outs = [q.get(timeout=stall_s)]
+    except queue.Empty:
+        raise TimeoutError("decode of %s stalled" % request_id) from None
+    while not (isinstance(outs[-1], BaseException) or outs[-1].finished):
+        try:
+            outs.append(q.get_nowait())
+        except queue.Empty:
+            break
+    if isinstance(outs[-1], BaseException):
+        raise outs[-1]
+    last = outs[-1]
+    tokens = tuple(t for o in outs for t in o.new_token_ids)
+    return TokenChunk(tokens, last.finished, None if last.finish_reason is None else str(last.finish_reason))

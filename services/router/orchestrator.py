@@ -48,6 +48,10 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 logger = logging.getLogger(__name__)
 
+#: chunks a decode stream may run ahead of this router; past that the decode
+#: actor waits and merges what the engine produced meanwhile into one chunk
+STREAM_AHEAD = 4
+
 
 @dataclass(frozen=True, slots=True)
 class Usage:
@@ -194,7 +198,9 @@ class Orchestrator:
         possible); its first token must equal the one already sent."""
         for attempt in range(2):
             decode_actor = self._pick_decode()
-            gen = decode_actor.generate.options(num_returns="streaming").remote(pr, req)
+            gen = decode_actor.generate.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD
+            ).remote(pr, req)
             started = False
             try:
                 async for ref in gen:

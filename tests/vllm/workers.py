@@ -55,15 +55,22 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
     """Prefill requests ``(rid, tokens, max_tokens[, corrupt])``; with ``corrupt``
     the request's first attention KV block is negated (every attention layer)
     before the handoff is offered: the fault the comparison must catch."""
+    import queue
+
     eng = _engine("prefill", overrides, side_port)
     q_out.put("ready")
-    while (msg := q_in.get()) != "exit":
+    while True:
+        try:  # between requests, keep stepping while the connector holds KV for decode (as the actors do)
+            msg = q_in.get(timeout=0.01) if eng.has_work() else q_in.get()
+        except queue.Empty:
+            eng.step()
+            continue
+        if msg == "exit":
+            break
         rid, toks, max_tokens, *rest = msg
         eng.add_request(req(rid, toks, max_tokens), prefill_only=True)
-        first: list[int] = []
-        while eng.has_work():
-            for o in eng.step():
-                first.extend(o.new_token_ids)
+        while rid not in eng.handoffs and eng.has_work():
+            eng.step()
         handoff = eng.handoffs.pop(rid)
         if rest and rest[0]:
             corrupt_first_attention_block(eng, handoff.kv_transfer_params)
