@@ -32,7 +32,11 @@ class HybridPDConfig(BaseModel):
 
     # -- model and engine
     engine: Literal["native", "vllm"] = Field("native", description="Engine behind every actor.")
-    model: str = Field("tiny", description="Model: 'tiny' (bundled native model), a directory, or an HF id (vllm).")
+    model: str = Field(
+        "tiny",
+        description="Model: 'tiny' (bundled trained native model), 'tiny-random' (its random-weight sibling),"
+        " a directory, or an HF id (vllm).",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Compute dtype; auto: float32 (native), bfloat16 (vllm on cpu: its GDN kernels need it),"
