@@ -49,9 +49,9 @@ def test_prefill_decode_over_nixl_matches_local_run() -> None:
     different kernel paths: compared with ``tests/greedy.py``'s rule (equal up
     to the reference's first near-tie, every token within BF16_TOL of the
     reference's best under teacher forcing), which a handoff with one
-    corrupted KV block fails (shown here)."""
+    corrupted KV block (garbage in one attention block) fails (shown here)."""
     prompts = [("pd%d" % i, tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
-    bad_rid, bad_toks = "pd1-corrupt", prompts[1][1]
+    bad_rid, bad_toks = "pd0-corrupt", prompts[0][1]  # one block holds all its KV
     got: dict[str, list[int]] = {}
     qp_in, qp_out, qd_in, qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
     pre = CTX.Process(target=prefill_worker, args=(qp_in, qp_out, free_port(), {}))

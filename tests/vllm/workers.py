@@ -53,8 +53,8 @@ def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, o
 
 def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     """Prefill requests ``(rid, tokens, max_tokens[, corrupt])``; with ``corrupt``
-    the request's first attention KV block is negated (every attention layer)
-    before the handoff is offered: the fault the comparison must catch."""
+    one block of the handoff is negated before it is offered
+    (:func:`corrupt_handoff_block`): the fault the comparison must catch."""
     import queue
 
     eng = _engine("prefill", overrides, side_port)
@@ -73,31 +73,32 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
             eng.step()
         handoff = eng.handoffs.pop(rid)
         if rest and rest[0]:
-            corrupt_first_attention_block(eng, handoff.kv_transfer_params)
+            corrupt_handoff_block(eng, handoff.kv_transfer_params)
         q_out.put(handoff)
     q_out.put("bye")
 
 
-def corrupt_first_attention_block(eng, params: dict[str, Any]) -> int:  # type: ignore[no-untyped-def]
-    """Negate the KV of the handoff's first attention block in every full-attention
-    layer of ``eng`` (in place, in the KV cache decode will READ); returns the
-    number of layers touched."""
+def corrupt_handoff_block(eng, params: dict[str, Any]) -> str:  # type: ignore[no-untyped-def]
+    """Overwrite one block of the handoff in ``eng``'s cache with garbage (seeded
+    normal noise, as a transfer of the wrong memory would deliver), in place,
+    before decode READs it: the first attention KV block of the first full
+    attention layer. Returns the layer touched."""
     import torch
     from vllm.model_executor.layers.attention.attention import Attention
 
     block_ids = params["remote_block_ids"]  # one list per KV cache group
     groups = eng.engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
     ctx = eng.engine.vllm_config.compilation_config.static_forward_context
-    touched = 0
+    gen = torch.Generator().manual_seed(0)
     for name, layer in ctx.items():
         if not isinstance(layer, Attention):
             continue
         group = next(i for i, g in enumerate(groups) if name in g.layer_names)
+        block = layer.kv_cache[block_ids[group][0]]  # [num_blocks, ...]: this block's K and V
         with torch.inference_mode():
-            layer.kv_cache[block_ids[group][0]].neg_()  # [num_blocks, ...]: the block's K and V
-        touched += 1
-    assert touched, "no attention layer found"
-    return touched
+            block.copy_(torch.randn(block.shape, generator=gen).to(block.dtype))
+        return name
+    raise AssertionError("no attention layer found")
 
 
 def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
