@@ -173,7 +173,10 @@ def run(
     with tempfile.TemporaryDirectory(prefix="hybridpd-overhead-") as tmp:
         args = ["--num-prefill", "1", "--num-decode", "1", "--max-model-len", str(max_len), "--model", model]
         with StackProcess(Path(tmp), args) as st:
-            sides = {"engine": engine, "stack": StackSide(st.http, model, max(levels))}
+            sides: dict[str, EngineSide | StackSide] = {
+                "engine": engine,
+                "stack": StackSide(st.http, model, max(levels)),
+            }
             # warm-up: first requests pay lazy initialisation on both sides
             for side in sides.values():
                 side.batch(_prompts(2, prompt_tokens, 999), output_tokens)
