@@ -280,6 +280,35 @@ def bench_overhead(json_path: str, quick: bool, prompt_tokens: int, output_token
     click.echo("wrote %s" % json_path)
 
 
+@bench.command("vllm-client")
+@click.option(
+    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/vllm_client.json", show_default=True
+)
+@click.option("--quick", is_flag=True, help="8 prompts per run instead of 32.")
+def bench_vllm_client(json_path: str, quick: bool) -> None:
+    """`vllm bench serve` against the stack (native, vLLM engine) and plain `vllm serve`."""
+    from pathlib import Path
+
+    from hybridpd.benchmarks import vllm_client
+
+    out = vllm_client.run(Path(json_path), quick)
+    for target, runs in out["results"].items():
+        for name, r in runs.items():
+            click.echo(
+                "%-13s %-21s TTFT p50 %8.1f p99 %8.1f ms   ITL p50 %6.2f p99 %6.2f ms   %7.1f tok/s"
+                % (
+                    target,
+                    name,
+                    r["median_ttft_ms"],
+                    r["p99_ttft_ms"],
+                    r["median_itl_ms"],
+                    r["p99_itl_ms"],
+                    r["output_throughput"],
+                )
+            )
+    click.echo("wrote %s" % json_path)
+
+
 @bench.command("eagle")
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/engine.json", show_default=True

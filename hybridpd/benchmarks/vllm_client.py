@@ -1,0 +1,123 @@
+"""vLLM's own benchmark client against our stack: ``hybridpd bench vllm-client``.
+
+    hybridpd bench vllm-client [--quick] [--json bench/results/vllm_client.json]
+
+Runs ``vllm bench serve`` (from the vLLM environment, ``make bootstrap-vllm``)
+as an outside user would, against:
+
+* ``stack-native``: ``hybridpd up`` as ``make up`` starts it (native engine,
+  the bundled tiny model);
+* ``stack-vllm``: ``hybridpd up --engine vllm --model tiny`` (tiny Qwen3-Next);
+* ``vllm-direct``: plain ``vllm serve`` of the same tiny Qwen3-Next (prefix
+  caching at the same unit): what the vLLM engine alone gives, model for
+  model with ``stack-vllm``.
+
+Workloads: ``random`` (1,024 prompt tokens, 32 output tokens, ``--ignore-eos``)
+at concurrency 1 and 4, and ``prefix_repetition`` (4 prefixes of 2,000
+tokens, 300-token suffixes, 16 output tokens) at concurrency 4. The
+tokenizer is the tiny models' shared one. Each run's own result JSON is kept
+beside the summary.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hybridpd.benchmarks.report import write_json
+from hybridpd.benchmarks.vllm_direct import VllmServer, tiny_model, vllm_venv
+from hybridpd.stack_process import StackProcess
+
+WORKLOADS: dict[str, tuple[list[str], int]] = {
+    "random_c1": (["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "32"], 1),
+    "random_c4": (["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "32"], 4),
+    "prefix_repetition_c4": (
+        [
+            "--dataset-name",
+            "prefix_repetition",
+            "--prefix-repetition-prefix-len",
+            "2000",
+            "--prefix-repetition-suffix-len",
+            "300",
+            "--prefix-repetition-num-prefixes",
+            "4",
+            "--prefix-repetition-output-len",
+            "16",
+        ],
+        4,
+    ),
+}
+KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput", "completed")
+
+
+def bench_serve(venv: Path, url: str, tokenizer: Path, name: str, prompts: int, out_dir: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; returns the KEYS of its result JSON."""
+    args, concurrency = WORKLOADS[name]
+    argv = [
+        str(venv / "bin" / "vllm"),
+        "bench",
+        "serve",
+        "--backend",
+        "openai",
+        "--base-url",
+        url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        "tiny",
+        "--tokenizer",
+        str(tokenizer),
+        *args,
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--percentile-metrics",
+        "ttft,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--save-result",
+        "--result-dir",
+        str(out_dir),
+        "--result-filename",
+        name + ".json",
+    ]
+    subprocess.run(argv, check=True)
+    res = json.loads((out_dir / (name + ".json")).read_text())
+    return {k: res.get(k) for k in KEYS}
+
+
+def run(json_path: Path, quick: bool) -> dict[str, Any]:
+    venv = vllm_venv()
+    if venv is None:
+        raise FileNotFoundError("no vLLM environment: run `make bootstrap-vllm` first")
+    tokenizer = Path(tiny_model(venv))
+    prompts = 8 if quick else 32
+    raw_dir = json_path.parent / (json_path.stem + "_runs")
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="hybridpd-vllm-client-") as tmp:
+        targets: dict[str, Callable[[], StackProcess | VllmServer]] = {
+            "stack-native": lambda: StackProcess(Path(tmp) / "native", ["--max-model-len", "4096"]),
+            "stack-vllm": lambda: StackProcess(
+                Path(tmp) / "vllm",
+                ["--engine", "vllm", "--model", "tiny", "--max-model-len", "4096", "--max-num-batched-tokens", "4096"],
+                900,
+                venv / "bin" / "hybridpd",
+            ),
+            "vllm-direct": lambda: VllmServer(venv, Path(tmp), 16, 4096),
+        }
+        for target, start in targets.items():
+            out_dir = raw_dir / target
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with start() as srv:
+                results[target] = {
+                    name: bench_serve(venv, srv.http, tokenizer, name, prompts, out_dir) for name in WORKLOADS
+                }
+    out = {"quick": quick, "prompts_per_run": prompts, "results": results}
+    write_json(json_path, out)
+    return out
