@@ -37,14 +37,14 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hybridpd.config import load_config  # noqa: E402
-from hybridpd.engine.base import EngineRequest, SamplingParams  # noqa: E402
-from hybridpd.engine.native import corpus  # noqa: E402
-from hybridpd.engine.native.engine import NativeEngine  # noqa: E402
-from hybridpd.engine.native.model import Work  # noqa: E402
-from hybridpd.engine.native.ops import rms_norm  # noqa: E402
-from hybridpd.engine.native.tiny import ASSETS, BUNDLED  # noqa: E402
-from hybridpd.engine.native.weights import init_draft_weights, save_weights, weights_digest  # noqa: E402
+from hybridpd.config import load_config
+from hybridpd.engine.base import EngineRequest, SamplingParams
+from hybridpd.engine.native import corpus
+from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.native.model import Work
+from hybridpd.engine.native.ops import rms_norm
+from hybridpd.engine.native.tiny import ASSETS, BUNDLED
+from hybridpd.engine.native.weights import init_draft_weights, save_weights, weights_digest
 
 
 def main() -> None:
@@ -113,7 +113,7 @@ def main() -> None:
         P = torch.log_softmax(head(H), -1)  # [S, T, V] target log-probs of the next token
 
     bar = tqdm(range(args.steps), desc="train draft", mininterval=5)
-    for step in bar:
+    for _ in bar:
         batch = rng.sample(train_idx, min(args.batch, len(train_idx)))
         s_i = torch.tensor([b[0] for b in batch])
         t_i = torch.tensor([b[1] for b in batch])

@@ -62,7 +62,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
-def _delta_chunks(q, k, v, g, beta):  # noqa: ANN001, ANN202
+def _delta_chunks(q, k, v, g, beta):  # type: ignore[no-untyped-def]
     """Chunked gated delta rule from a zero state, the native kernel's WY form
     (``delta._chunk``) over all chunks at once. q, k, g: [B, H, T, dk];
     v: [B, H, T, dv]; beta: [B, H, T]. Returns o [B, H, T, dv]."""
@@ -97,9 +97,7 @@ def _delta_chunks(q, k, v, g, beta):  # noqa: ANN001, ANN202
     eq = eg * q
     s = q.new_zeros(b_, h_, dk, v.shape[-1])
     outs = []
-    for av_j, ak_j, eq_j, m_j, w_j, dec_j in zip(
-        *(x.unbind(2) for x in (av, ak, eq, m, w, dec)), strict=True
-    ):
+    for av_j, ak_j, eq_j, m_j, w_j, dec_j in zip(*(x.unbind(2) for x in (av, ak, eq, m, w, dec)), strict=True):
         u = av_j - ak_j @ s
         outs.append(eq_j @ s + m_j @ u)
         s = dec_j * s + w_j @ u
@@ -135,9 +133,9 @@ def forward(cfg: HybridModelConfig, w: dict[str, torch.Tensor], tokens: torch.Te
                 bsz, t, h_, dk
             )
             beta = torch.sigmoid(braw)
-            o = _delta_chunks(
-                *(y.transpose(1, 2) for y in (qq, kk, vv, g)), beta.transpose(1, 2)
-            ).transpose(1, 2)  # [B, T, H, dv]
+            o = _delta_chunks(*(y.transpose(1, 2) for y in (qq, kk, vv, g)), beta.transpose(1, 2)).transpose(
+                1, 2
+            )  # [B, T, H, dv]
             o = _rms(o, w[p + "mixer.o_norm"], eps) * torch.sigmoid(z.view(bsz, t, h_, dv))
             out = o.reshape(bsz, t, -1) @ w[p + "mixer.w_o"].T
         else:
@@ -187,7 +185,7 @@ def token_stream(tok: Tokenizer, texts: list[str]) -> tuple[torch.Tensor, list[i
     return torch.tensor(ids, dtype=torch.long), starts
 
 
-def batches(stream: torch.Tensor, starts: list[int], bsz: int, ctx: int, rng: random.Random):  # noqa: ANN201
+def batches(stream: torch.Tensor, starts: list[int], bsz: int, ctx: int, rng: random.Random):
     limit = len(stream) - ctx - 1
     doc_starts = [s for s in starts if s < limit]
     while True:

@@ -18,6 +18,7 @@ import argparse
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -92,8 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     prefill_tps = n_pre * len_pre / secs
 
     text = _text_prompts(n_dec, len_dec)
-    decode_results = {}
-    plain_outs = {}
+    decode_results: dict[str, dict[str, Any]] = {}
+    plain_outs: dict[int, list[list[int]]] = {}
     for batch in (1, n_dec):
         decode_prompts = text[:batch]
         plain_times, eagle_times = [], []
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             "decode_seconds": plain_times,
             "eagle_seconds": eagle_times,
         }
-    by_k = {}
+    by_k: dict[str, float] = {}
     for k in range(1, 6):
         eng = _engine(eagle=True, num_speculative_tokens=k)
         _, out = _run(eng, text, gen, "eagle-k%d" % k)
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     print("mean acceptance length by k (batch %d): %s" % (n_dec, ", ".join("k=%s %.2f" % kv for kv in by_k.items())))
     print("prefill %.0f tok/s" % prefill_tps)
-    bars = {}
+    bars: dict[str, float] = {}
     for name, r in decode_results.items():
         bars["decode " + name] = r["decode_tokens_per_s"]
         bars["eagle " + name] = r["eagle_tokens_per_s"]

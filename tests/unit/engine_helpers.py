@@ -18,8 +18,8 @@ MODELS = ("tiny", "tiny-random")
 _model = ["tiny"]
 
 
-@pytest.fixture(scope="module", params=MODELS, autouse=True)
-def bundled_model(request: pytest.FixtureRequest) -> Iterator[str]:
+@pytest.fixture(scope="module", params=MODELS, autouse=True, name="bundled_model")
+def bundled_model_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
     """Runs every test of a module that imports it once per bundled model
     (``make_engine`` builds that model)."""
     _model[0] = request.param
@@ -29,7 +29,12 @@ def bundled_model(request: pytest.FixtureRequest) -> Iterator[str]:
 
 def make_engine(**overrides: Any) -> NativeEngine:
     extra = {k: overrides.pop(k) for k in ("export_checkpoints", "record_logits", "num_state_slots") if k in overrides}
-    base: dict[str, Any] = {"model": _model[0], "num_kv_blocks": 768, "max_num_batched_tokens": 4096, "max_num_seqs": 64}
+    base: dict[str, Any] = {
+        "model": _model[0],
+        "num_kv_blocks": 768,
+        "max_num_batched_tokens": 4096,
+        "max_num_seqs": 64,
+    }
     base.update(overrides)
     return NativeEngine(load_config(env={}, overrides=base), **extra)
 

@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from hybridpd.checkpoints import checkpoint_position
-from tests.unit.engine_helpers import assert_no_leaks, bundled_model, make_engine, prompt, req  # noqa: F401
+from tests.unit.engine_helpers import (
+    assert_no_leaks,
+    bundled_model_fixture,  # noqa: F401  (autouse: both bundled models)
+    make_engine,
+    prompt,
+    req,
+)
 
 #: bit-exact comparisons: only where fp32 matmul rows are batch-invariant (checked)
 pytestmark = pytest.mark.usefixtures("fp32_row_exact")

@@ -46,7 +46,7 @@ def is_heldout(rel: str) -> bool:
 def documents() -> tuple[tuple[str, str], ...]:
     """``(relative path, docstring)`` for every stdlib module, sorted by path."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    out = []
+    out: list[tuple[str, str]] = []
     for path in sorted(stdlib.rglob("*.py")):
         rel = path.relative_to(stdlib).as_posix()
         if SKIP_PARTS & set(path.relative_to(stdlib).parts):
@@ -58,12 +58,12 @@ def documents() -> tuple[tuple[str, str], ...]:
 @cache
 def package_documents() -> tuple[tuple[str, str], ...]:
     """``(package/relative path, docstring)`` for :data:`PACKAGES` (those installed)."""
-    out = []
+    out: list[tuple[str, str]] = []
     for pkg in PACKAGES:
         spec = importlib.util.find_spec(pkg)
         if spec is None or not spec.submodule_search_locations:
             continue
-        root = Path(list(spec.submodule_search_locations)[0])
+        root = Path(next(iter(spec.submodule_search_locations)))
         for path in sorted(root.rglob("*.py")):
             rel = path.relative_to(root)
             if SKIP_PARTS & set(rel.parts):

@@ -112,7 +112,9 @@ def resolve_model_dir(model: str) -> Path:
     if not (path / "config.json").exists():
         from hybridpd.errors import ConfigError
 
-        raise ConfigError("model", "%s is not a model directory (no config.json); use 'tiny', 'tiny-random' or a path" % model)
+        raise ConfigError(
+            "model", "%s is not a model directory (no config.json); use 'tiny', 'tiny-random' or a path" % model
+        )
     return path
 
 
