@@ -14,8 +14,9 @@ as an outside user would, against:
 
 Workloads: ``random`` (1,024 prompt tokens, 32 output tokens, ``--ignore-eos``)
 at concurrency 1 and 4, and ``prefix_repetition`` (4 prefixes of 2,000
-tokens, 300-token suffixes, 16 output tokens) at concurrency 4. The
-tokenizer is the tiny models' shared one. Each run's own result JSON is kept
+tokens, 300-token suffixes, 16 output tokens) at concurrency 4, each with
+its own seed (so no run hits the previous run's prompts). The tokenizer is
+the tiny models' shared one. Each run's own result JSON is kept
 beside the summary.
 """
 
@@ -74,6 +75,8 @@ def bench_serve(venv: Path, url: str, tokenizer: Path, name: str, prompts: int, 
         *args,
         "--num-prompts",
         str(prompts),
+        "--seed",  # a seed per workload: the same prompts again would be prefix-cache hits
+        str(1 + list(WORKLOADS).index(name)),
         "--max-concurrency",
         str(concurrency),
         "--ignore-eos",
