@@ -245,6 +245,12 @@ def bench_router(json_path: str) -> None:
     click.echo("wrote %s" % json_path)
 
 
+def _latency_row(a: str, b: str, values: tuple[float, ...]) -> None:
+    """One line of a latency table: TTFT p50/p99, ITL p50/p99 (ms), output tokens/s."""
+    numbers = "TTFT p50 %8.1f p99 %8.1f ms   ITL p50 %6.2f p99 %6.2f ms   %7.1f tok/s" % values
+    click.echo("%-13s %-21s %s" % (a, b, numbers))
+
+
 @bench.command("overhead")
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/overhead.json", show_default=True
@@ -264,18 +270,8 @@ def bench_overhead(json_path: str, quick: bool, prompt_tokens: int, output_token
     out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens, model)
     for side, levels in out["results"].items():
         for level, r in levels.items():
-            click.echo(
-                "%-6s %-14s TTFT p50 %8.1f p99 %8.1f ms   ITL p50 %6.2f p99 %6.2f ms   %7.1f tok/s"
-                % (
-                    side,
-                    level,
-                    r["ttft_ms"]["p50"],
-                    r["ttft_ms"]["p99"],
-                    r["itl_ms"]["p50"],
-                    r["itl_ms"]["p99"],
-                    r["output_tokens_per_s"],
-                )
-            )
+            t, i = r["ttft_ms"], r["itl_ms"]
+            _latency_row(side, level, (t["p50"], t["p99"], i["p50"], i["p99"], r["output_tokens_per_s"]))
     click.echo("checks: %s" % out["checks"])
     click.echo("wrote %s" % json_path)
 
@@ -294,18 +290,8 @@ def bench_vllm_client(json_path: str, quick: bool) -> None:
     out = vllm_client.run(Path(json_path), quick)
     for target, runs in out["results"].items():
         for name, r in runs.items():
-            click.echo(
-                "%-13s %-21s TTFT p50 %8.1f p99 %8.1f ms   ITL p50 %6.2f p99 %6.2f ms   %7.1f tok/s"
-                % (
-                    target,
-                    name,
-                    r["median_ttft_ms"],
-                    r["p99_ttft_ms"],
-                    r["median_itl_ms"],
-                    r["p99_itl_ms"],
-                    r["output_throughput"],
-                )
-            )
+            keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+            _latency_row(target, name, tuple(r[k] for k in keys))
     click.echo("wrote %s" % json_path)
 
 
