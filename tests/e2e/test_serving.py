@@ -105,6 +105,33 @@ def test_cache_salt_isolates_tenants(client: OpenAI, reference) -> None:  # type
     assert other.choices[0].token_ids == want and same.choices[0].token_ids == want  # type: ignore[attr-defined]
 
 
+def test_ignore_eos_ignores_end_of_turn_ids_too(client: OpenAI, stack: Stack) -> None:
+    """Greedy "The delta rule" ends with EOS (id 2, one of the tokenizer's stop ids)
+    after 44 tokens on the trained tiny model; with ignore_eos the same request runs
+    to max_tokens over both APIs, its first tokens unchanged."""
+    stopped = client.completions.create(
+        model="tiny", prompt="The delta rule", max_tokens=64, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    n = stopped.usage.completion_tokens
+    assert n < 64
+    ignored = client.completions.create(
+        model="tiny",
+        prompt="The delta rule",
+        max_tokens=64,
+        temperature=0,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
+    assert ignored.choices[0].finish_reason == "length" and ignored.usage.completion_tokens == 64
+    got = ignored.choices[0].token_ids  # type: ignore[attr-defined]
+    assert got[: n - 1] == stopped.choices[0].token_ids[: n - 1]  # type: ignore[attr-defined]
+    with grpc.insecure_channel(stack.grpc) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        req = pb.GenerateRequest(text="The delta rule", sampling=pb.SamplingParams(max_tokens=64, ignore_eos=True))
+        ids = [t for r in stub.Generate(req) for t in r.token_ids]
+    assert ids == got
+
+
 def test_client_disconnect_frees_blocks(stack: Stack) -> None:
     body = {
         "model": "tiny",
