@@ -291,7 +291,7 @@ def bench_vllm_client(json_path: str, quick: bool) -> None:
     for target, runs in out["results"].items():
         for name, r in runs.items():
             keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
-            _latency_row(target, name, tuple(r[k] for k in keys))
+            _latency_row(target, name, tuple(float(r[k] if r[k] is not None else "nan") for k in keys))
     click.echo("wrote %s" % json_path)
 
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from hybridpd.engine.base import RequestOutput
+from hybridpd.engine.base import FinishReason, RequestId, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,13 @@ class EngineLoop:
         return q
 
     def abort(self, request_id: str) -> bool:
+        """Abort ``request_id`` in the engine; its reader gets a final ABORT output now
+        (an engine need not emit one: vLLM's abort does not), so no reader waits on it."""
         with self.lock:
             found = self.engine.abort(request_id)
+            q = self.queues.pop(request_id, None)
+        if q is not None:
+            q.put(RequestOutput(RequestId(request_id), (), True, FinishReason.ABORT))
         self._wake.set()
         return found
 

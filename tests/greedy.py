@@ -12,9 +12,9 @@ demands equality past a near-tie is a test of the CPU model, not of our code.
 
 The rule (:func:`assert_greedy_matches`), the same on every machine:
 
-1. ``got`` equals the reference's greedy tokens up to and including the
-   reference's first near-tie (strictly: at every position before the first
-   near-tie, and at it if the two agree there; a flip is allowed only at it);
+1. ``got`` equals the reference's greedy tokens up to the reference's first
+   near-tie, and where the two first differ the reference has a near-tie
+   (a flip is allowed only where the reference itself nearly tied);
 2. teacher forcing, when ``deficits`` are given: for every token of ``got``,
    over the whole output, the reference model fed ``prompt + got[:i]`` ranks
    ``got[i]`` within ``tol`` of its best token (``deficit = max logprob -
@@ -65,6 +65,16 @@ def assert_greedy_matches(
         k,
         got,
         ref.tokens,
+    )
+    d = next((i for i, (a, b) in enumerate(zip(got, ref.tokens, strict=True)) if a != b), None)
+    assert d is None or ref.margins[d] < tol, (
+        "%s: first differs at %d, where the reference's margin is %.3f >= %.2f"
+        % (
+            what,
+            d,
+            ref.margins[d] if d is not None else 0.0,
+            tol,
+        )
     )
     if deficits is not None:
         assert len(deficits) == len(got), (what, len(deficits), len(got))

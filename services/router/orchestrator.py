@@ -237,7 +237,8 @@ class Orchestrator:
         status = "error"
         decision: RouteDecision | None = None
         prefill_actor = decode_actor = None
-        finished = False
+        finished = False  # the client got its last event
+        engine_done = False  # the engines finished the request themselves (else: abort it on both sides)
         n = len(req.prompt_token_ids)
         try:
             decision, hashes = await self._route(req, force_instance)
@@ -261,6 +262,7 @@ class Orchestrator:
                 hit_stop = _find_stop(detok.emitted, stop)
                 if hit_stop is not None or pr.finish_reason is not None or not pr.has_handoff:
                     finished = True
+                    engine_done = pr.finish_reason is not None or not pr.has_handoff
                     status = "ok"
                     reason = "stop" if hit_stop is not None else (pr.finish_reason or "length")
                     yield Event((pr.first_token_id,), _trim(text, detok, hit_stop), True, reason, usage())
@@ -288,11 +290,12 @@ class Orchestrator:
                 hit_stop = _find_stop(detok.emitted, stop)
                 if hit_stop is not None:
                     finished = True
+                    engine_done = chunk.finished
                     status = "ok"
                     yield Event(chunk.token_ids, _trim(delta, detok, hit_stop), True, "stop", usage())
                     return
                 if chunk.finished:
-                    finished = True
+                    finished = engine_done = True
                     status = "ok"
                     yield Event(chunk.token_ids, delta, True, chunk.finish_reason, usage())
                     return
@@ -304,7 +307,7 @@ class Orchestrator:
         finally:
             self.inflight -= 1
             held = self.running.pop(rid, (None, None))
-            if not finished:
+            if not engine_done:
                 # client gone, stop string, cancel or failure: free the work on both sides
                 for actor in {id(a): a for a in (*held, prefill_actor, decode_actor) if a is not None}.values():
                     actor.abort.remote(rid)

@@ -182,8 +182,11 @@ def test_grpc_generate_abort_health(stack: Stack, reference) -> None:  # type: i
     msgs = list(
         stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=tokens), sampling=pb.SamplingParams(max_tokens=8)))
     )
-    assert [t for m in msgs for t in m.token_ids] == run(tokens, 8)
-    assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH and msgs[-1].usage.prompt_tokens == 120
+    want = run(tokens, 8)
+    assert [t for m in msgs for t in m.token_ids] == want
+    # the trained model may end on EOS first: then the reason is STOP
+    reason = pb.FINISH_REASON_LENGTH if len(want) == 8 else pb.FINISH_REASON_STOP
+    assert msgs[-1].finish_reason == reason and msgs[-1].usage.prompt_tokens == 120
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(pb.GenerateRequest(text="")))

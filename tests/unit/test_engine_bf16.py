@@ -35,9 +35,12 @@ def _assert_bf16_match(
     rid: str, got: list[int], got_rows: list[torch.Tensor], want: list[int], want_rows: list[torch.Tensor]
 ) -> None:
     assert_greedy_matches(got, _reference(want_rows, want), BF16_TOL, what=rid)
-    # logprobs agree wherever both runs had seen the same tokens
+    # logprobs of the reference's 5 best tokens agree wherever both runs had seen the same
+    # tokens (the far tail of the vocabulary is where bf16 rounding steps are largest)
     same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want) - 1)
-    diff = (_logprobs(got_rows[: same + 1]) - _logprobs(want_rows[: same + 1])).abs().max().item()
+    ref_lp = _logprobs(want_rows[: same + 1])
+    top = ref_lp.topk(5, dim=-1).indices
+    diff = (_logprobs(got_rows[: same + 1]).gather(1, top) - ref_lp.gather(1, top)).abs().max().item()
     assert diff <= BF16_TOL, "%s: logprobs differ by %.3f over the first %d tokens" % (rid, diff, same + 1)
 
 

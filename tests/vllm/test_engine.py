@@ -51,7 +51,7 @@ def test_prefill_decode_over_nixl_matches_local_run() -> None:
     reference's best under teacher forcing), which a handoff with one
     corrupted KV block (garbage in one attention block) fails (shown here)."""
     prompts = [("pd%d" % i, tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
-    bad_rid, bad_toks = "pd0-corrupt", prompts[0][1]  # one block holds all its KV
+    bad_rid, bad_toks = "pd-corrupt", tokens(40, 99)  # fresh tokens (no prefix hit); one block holds all its KV
     got: dict[str, list[int]] = {}
     qp_in, qp_out, qd_in, qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
     pre = CTX.Process(target=prefill_worker, args=(qp_in, qp_out, free_port(), {}))

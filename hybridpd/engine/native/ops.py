@@ -39,11 +39,11 @@ def row_invariance_problem(dtype: torch.dtype = torch.float32) -> str | None:
     try:
         for k, n in ((256, 512), (512, 256), (256, 2048), (256, 768), (512, 1024)):
             w = torch.randn(n, k, generator=gen).to(dtype)
-            x = torch.randn(320, k, generator=gen).to(dtype)
+            x = torch.randn(2048, k, generator=gen).to(dtype)
             ref = rows_mm(x[:MIN_ROWS], w)
             for t in sorted({1, threads}):
                 torch.set_num_threads(t)
-                for m in (1, 5, 16, 17, 31, 48, 64, 100, 256, 320):
+                for m in (1, 5, 16, 17, 31, 48, 64, 100, 256, 320, 512, 1000, 2048):  # up to the budgets tests use
                     got = rows_mm(x[:m], w)
                     if not torch.equal(got[: min(m, MIN_ROWS)], ref[: min(m, MIN_ROWS)]):
                         return "rows of M=%d differ from M=%d (%dx%d weight, %s, %d threads)" % (
