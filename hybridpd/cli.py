@@ -172,8 +172,8 @@ def bench() -> None:
     "--json",
     "json_path",
     type=click.Path(dir_okay=False),
-    default="bench/results/growing_streams.json",
-    show_default=True,
+    default=None,
+    help="Where to write [default: bench/results/growing_streams.json; with --quick, growing_streams_quick.json]",
 )
 @click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
 @click.option("--url", default=None, help="Run against a running stack instead of starting one per variant.")
@@ -194,12 +194,15 @@ def bench() -> None:
     " (e.g. --workload start=120000 --workload end=164000 --workload step=2000 --workload unit=128).",
 )
 def bench_growing_streams(
-    json_path: str, quick: bool, url: str | None, variants: tuple[str, ...], workload: tuple[str, ...]
+    json_path: str | None, quick: bool, url: str | None, variants: tuple[str, ...], workload: tuple[str, ...]
 ) -> None:
     """Long prompts growing every round, in several caching/routing variants."""
     from pathlib import Path
 
     from hybridpd.benchmarks import growing_streams
+
+    if json_path is None:  # a --quick run never overwrites the full run's results
+        json_path = "bench/results/growing_streams_quick.json" if quick else "bench/results/growing_streams.json"
 
     overrides = {}
     for item in workload:
