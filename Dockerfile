@@ -22,6 +22,8 @@ RUN pip install --no-cache-dir --index-url "$TORCH_INDEX" "$TORCH_SPEC" \
 COPY pyproject.toml setup.py README.md ./
 COPY hybridpd/ hybridpd/
 COPY services/ services/
+COPY launch/ launch/
+COPY bench/ bench/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y
 

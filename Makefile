@@ -23,7 +23,7 @@ test-vllm: bootstrap-vllm
 	.venv-vllm/bin/python -m pytest tests/vllm $(PYTEST_ARGS)
 
 lint: bootstrap
-	$(VENV)/bin/ruff check hybridpd services tests bench
+	$(VENV)/bin/ruff check hybridpd services launch tests bench scripts
 	$(VENV)/bin/mypy
 
 proto: bootstrap

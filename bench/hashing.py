@@ -3,7 +3,7 @@
     python -m bench.hashing [--tokens 164000] [--unit 128] [--json PATH]
 
 The baseline is the same chain computed the way vLLM 0.32 does it
-(``hybridpd/benchmarks/vllm_chain.py``: its ``hash_block_tokens``, one
+(``bench/vllm_chain.py``: its ``hash_block_tokens``, one
 ``cbor2.dumps`` + digest per block), in the same process; both must produce
 identical hashes.
 """
@@ -13,16 +13,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from hybridpd.benchmarks.report import write_report
-from hybridpd.benchmarks.vllm_chain import vllm_chain
+from bench.report import write_report
+from bench.vllm_chain import vllm_chain
 from hybridpd.hashing import BlockHasher, HashAlgo
 
 
-def _time(fn, repeat: int) -> list[float]:  # type: ignore[no-untyped-def]
+def _time(fn: Callable[..., object], repeat: int) -> list[float]:
     out = []
     for _ in range(repeat):
         t0 = time.perf_counter()

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from hybridpd.benchmarks.report import write_report
+from bench.report import write_report
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer

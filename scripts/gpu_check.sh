@@ -5,7 +5,7 @@
 #
 # Uses the machine's own python3 with torch+CUDA. Python packages it lacks
 # (pydantic, cbor2) travel as wheels in .whl/ (see README "GPU tier" for the
-# pip download line). Runs tests/gpu, then hybridpd.benchmarks.gpu_check in
+# pip download line). Runs tests/gpu, then bench.gpu_check in
 # fp32 and bf16: the tiny hybrid on CUDA with prefix caching and EAGLE, printing
 # hit tokens, acceptance length, TTFT and token equality with a plain run.
 # Every step runs even when an earlier one fails; the exit status is the worst.
@@ -25,7 +25,7 @@ step nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' || status=1
 step python3 -m pytest -p no:cacheprovider -o addopts= -q -rA --junitxml="$out/gpu-tests.xml" tests/gpu
 for dt in float32 bfloat16; do
-  step python3 -m hybridpd.benchmarks.gpu_check --device cuda --dtype "$dt" --json "$out/gpu_check_$dt.json"
+  step python3 -m bench.gpu_check --device cuda --dtype "$dt" --json "$out/gpu_check_$dt.json"
 done
 # The vLLM GPU tier: the same tests/vllm as on CPU, on CUDA. vLLM is not in the
 # lent machines' image and its CUDA wheel is larger than what may travel there,

@@ -20,10 +20,10 @@ from hybridpd.engine.factory import make_engine
 from hybridpd.engine.vllm.engine import VllmHandoff
 from hybridpd.errors import IntegrityError
 from hybridpd.transfer.nixl_handoff import HandoffClient
-from services.actor_metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
-from services.engine_loop import EngineLoop
-from services.messages import PrefillResult, TokenChunk
-from services.worker_base import WorkerBase, ray_metrics, startup_guard
+from services.worker.base import WorkerBase, ray_metrics, startup_guard
+from services.worker.engine_loop import EngineLoop
+from services.worker.messages import PrefillResult, TokenChunk
+from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
 
 logger = logging.getLogger(__name__)
 

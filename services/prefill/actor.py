@@ -33,10 +33,10 @@ from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
 from hybridpd.transfer.nixl_handoff import HandoffServer
-from services.actor_metrics import PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS
-from services.engine_loop import EngineLoop
-from services.messages import PrefillCommand, PrefillResult
-from services.worker_base import WorkerBase, ray_metrics, startup_guard
+from services.worker.base import WorkerBase, ray_metrics, startup_guard
+from services.worker.engine_loop import EngineLoop
+from services.worker.messages import PrefillCommand, PrefillResult
+from services.worker.metrics import PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS
 
 logger = logging.getLogger(__name__)
 

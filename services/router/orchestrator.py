@@ -39,9 +39,9 @@ from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 from hybridpd.transfer.nixl_handoff import HandoffError
-from services.messages import PrefillCommand, PrefillResult, TokenChunk
 from services.router.metrics import RouterMetrics
 from services.router.routing import RecentPrefills, RouteDecision, choose, dispatch_work
+from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
 #: torch.Generator.manual_seed accepts exactly this range.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1

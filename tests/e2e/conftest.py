@@ -13,8 +13,8 @@ from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.tiny import resolve_model_dir
-from hybridpd.stack_process import StackProcess
 from hybridpd.tokenizer import TextTokenizer
+from launch.stack_process import StackProcess
 
 
 class Stack(StackProcess):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.benchmarks.growing_streams import Workload, _one, run_workload
+from bench.growing_streams import Workload, _one, run_workload
 from hybridpd.checkpoints import checkpoint_position
 from tests.e2e.conftest import Stack
 

@@ -231,7 +231,7 @@ def test_full_queue_is_429_with_retry_after(stack: Stack) -> None:
 
 def test_growing_streams_recompute_near_ideal(stack: Stack) -> None:
     """The benchmark's workload, small: each round recomputes about D new tokens."""
-    from hybridpd.benchmarks.growing_streams import Workload, run_workload
+    from bench.growing_streams import Workload, run_workload
 
     # NOTE: D must be >= 2B (B = 64): a shorter query can end in the Mamba block
     # column its initial state occupies, and the slot-column rule (vLLM's) then

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from hybridpd.benchmarks.soak import SoakConfig, run_soak
+from bench.soak import SoakConfig, run_soak
 from tests.e2e.conftest import Stack
 
 

@@ -24,9 +24,9 @@ from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
-from services.messages import PrefillCommand, PrefillResult
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
+from services.worker.messages import PrefillCommand, PrefillResult
 
 NAMES = ["prefill-0", "prefill-1"]
 

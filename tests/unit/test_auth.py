@@ -6,9 +6,9 @@ import pytest
 from click.testing import CliRunner
 
 from hybridpd.auth import ApiKeys, tenant_id
-from hybridpd.cli import cli
 from hybridpd.config import load_config
 from hybridpd.errors import AuthError, grpc_code, http_status
+from launch.cli import cli
 
 
 def test_keys_off_by_default() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from hybridpd.errors import EngineError, InvalidRequestError, describe, grpc_code, http_status, unwrap
 from hybridpd.procs import ephemeral_range, listen_ports
-from services.worker_base import WorkerBase
+from services.worker.base import WorkerBase
 
 
 class _Worker(WorkerBase):
@@ -61,7 +61,7 @@ def test_a_thread_dying_while_a_worker_starts_fails_the_start() -> None:
     """vLLM's constructor waits forever for its NIXL handshake listener thread; if that
     thread dies (its port taken), the start must fail with the thread's error, not hang."""
     from hybridpd.errors import StartupError
-    from services.worker_base import startup_guard
+    from services.worker.base import startup_guard
 
     def listener() -> None:
         raise OSError("Address already in use")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpd.benchmarks import gpu_check
+from bench import gpu_check
 
 
 def test_gpu_check_on_cpu_reports_hits_acceptance_and_equality(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_ruff_clean() -> None:
     ruff = Path(sys.executable).parent / "ruff"
     res = subprocess.run(
-        [str(ruff), "check", "hybridpd", "services", "tests", "bench", "scripts"],
+        [str(ruff), "check", "hybridpd", "services", "launch", "tests", "bench", "scripts"],
         cwd=ROOT,
         capture_output=True,
         text=True,

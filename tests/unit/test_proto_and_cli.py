@@ -10,9 +10,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from hybridpd import __version__
-from hybridpd.cli import cli
 from hybridpd.protogen import ROOT, generate
 from hybridpd.v1 import generate_pb2
+from launch.cli import cli
 
 
 def test_generated_code_is_current(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_console_script_installed() -> None:
 def test_bench_workload_overrides_are_checked() -> None:
     from click.testing import CliRunner
 
-    from hybridpd.cli import cli
+    from launch.cli import cli
 
     res = CliRunner().invoke(cli, ["bench", "growing-streams", "--workload", "bogus=3"])
     assert res.exit_code == 2 and "expected FIELD=INT" in res.output

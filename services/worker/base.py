@@ -13,8 +13,8 @@ from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.errors import EngineError, HybridPDError, StartupError
-from services.actor_metrics import ActorMetrics
-from services.engine_loop import EngineLoop
+from services.worker.engine_loop import EngineLoop
+from services.worker.metrics import ActorMetrics
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from hybridpd.stack_process import StackProcess
+from launch.stack_process import StackProcess
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ VLLM_VARIANTS = ("vllm-direct", "vllm-partial")
 
 
 def _run_variant(name: str, args: list[str], w: Workload, tmp: Path) -> dict[str, Any]:
-    from hybridpd.benchmarks.vllm_direct import VllmServer, vllm_venv
+    from bench.vllm_direct import VllmServer, vllm_venv
 
     if name not in VLLM_VARIANTS:
         with StackProcess(tmp, args) as st:
@@ -244,7 +244,7 @@ def run(
 
 
 def _write(path: Path, out: dict[str, Any]) -> None:
-    from hybridpd.benchmarks.report import plot_bars, write_json
+    from bench.report import plot_bars, write_json
 
     write_json(path, out)
     v = out["variants"]

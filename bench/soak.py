@@ -32,7 +32,7 @@ import httpx
 import psutil
 from tqdm import tqdm
 
-from hybridpd.stack_process import StackProcess
+from launch.stack_process import StackProcess
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +265,7 @@ def run(json_path: Path, cfg: SoakConfig, url: str | None = None) -> dict[str, A
 
 
 def _write(path: Path, out: dict[str, Any]) -> None:
-    from hybridpd.benchmarks.report import write_json
+    from bench.report import write_json
 
     write_json(path, out)
     import matplotlib

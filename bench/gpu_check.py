@@ -1,6 +1,6 @@
 """GPU check: the tiny hybrid on CUDA with prefix caching and EAGLE.
 
-    python -m hybridpd.benchmarks.gpu_check [--device cuda] [--json PATH]
+    python -m bench.gpu_check [--device cuda] [--json PATH]
 
 Run by ``scripts/gpu_check.sh`` on a lent GPU machine (it also works with
 ``--device cpu`` so it is tested in CI). In one run, on one device:

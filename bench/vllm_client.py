@@ -29,9 +29,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hybridpd.benchmarks.report import write_json
-from hybridpd.benchmarks.vllm_direct import VllmServer, tiny_model, vllm_venv
-from hybridpd.stack_process import StackProcess
+from bench.report import write_json
+from bench.vllm_direct import VllmServer, tiny_model, vllm_venv
+from launch.stack_process import StackProcess
 
 WORKLOADS: dict[str, tuple[list[str], int]] = {
     "random_c1": (["--dataset-name", "random", "--random-input-len", "1024", "--random-output-len", "32"], 1),

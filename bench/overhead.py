@@ -38,8 +38,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from hybridpd.benchmarks.report import write_report
-from hybridpd.stack_process import StackProcess
+from bench.report import write_report
+from launch.stack_process import StackProcess
 
 #: torch threads in an actor: Ray gives an actor with num_cpus=0 OMP_NUM_THREADS=1
 ACTOR_THREADS = 1

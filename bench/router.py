@@ -32,8 +32,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from hybridpd.benchmarks.report import write_report
-from hybridpd.benchmarks.vllm_chain import vllm_chain
+from bench.report import write_report
+from bench.vllm_chain import vllm_chain
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer

@@ -103,7 +103,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
 
     from hybridpd.errors import HybridPDError
     from hybridpd.logging import setup_logging
-    from hybridpd.stack import LocalStack
+    from launch.stack import LocalStack
     from services.router.server import RouterServer
 
     setup_logging()
@@ -199,7 +199,7 @@ def bench_growing_streams(
     """Long prompts growing every round, in several caching/routing variants."""
     from pathlib import Path
 
-    from hybridpd.benchmarks import growing_streams
+    from bench import growing_streams
 
     if json_path is None:  # a --quick run never overwrites the full run's results
         json_path = "bench/results/growing_streams_quick.json" if quick else "bench/results/growing_streams.json"
@@ -227,7 +227,7 @@ def bench_router(json_path: str) -> None:
     """Router decision latency for 16K and 164K-token prompts at unit 128, against vLLM's hash chain."""
     from pathlib import Path
 
-    from hybridpd.benchmarks import router
+    from bench import router
 
     out = router.run(Path(json_path))
     for name, r in out["results"].items():
@@ -268,7 +268,7 @@ def bench_overhead(json_path: str, quick: bool, prompt_tokens: int, output_token
     """TTFT/ITL of the engine in-process vs through the stack (1 prefill + 1 decode), same run."""
     from pathlib import Path
 
-    from hybridpd.benchmarks import overhead
+    from bench import overhead
 
     out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens, model)
     for side, levels in out["results"].items():
@@ -288,7 +288,7 @@ def bench_vllm_client(json_path: str, quick: bool) -> None:
     """`vllm bench serve` against the stack (native, vLLM engine) and plain `vllm serve`."""
     from pathlib import Path
 
-    from hybridpd.benchmarks import vllm_client
+    from bench import vllm_client
 
     out = vllm_client.run(Path(json_path), quick)
     for target, runs in out["results"].items():
@@ -305,7 +305,7 @@ def bench_vllm_client(json_path: str, quick: bool) -> None:
 @click.option("--quick", is_flag=True)
 def bench_eagle(json_path: str, quick: bool) -> None:
     """Decode tokens/s with and without EAGLE, and the mean acceptance length."""
-    from hybridpd.benchmarks import engine
+    from bench import engine
 
     engine.main(["--json", json_path] + (["--quick"] if quick else []))
 
@@ -321,7 +321,7 @@ def bench_soak(json_path: str, minutes: float, streams: int, url: str | None) ->
     """Bounded soak: concurrent mixed requests with shared prefixes; failures, pools, RSS."""
     from pathlib import Path
 
-    from hybridpd.benchmarks import soak
+    from bench import soak
 
     out = soak.run(Path(json_path), soak.SoakConfig(minutes=minutes, streams=streams), url)
     click.echo(

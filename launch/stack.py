@@ -125,7 +125,7 @@ class LocalStack:
         import ray
 
         from hybridpd.engine.factory import resolve_model
-        from services.actors import NAMESPACE, DecodeActor, PrefillActor
+        from launch.actors import NAMESPACE, DecodeActor, PrefillActor
 
         resolve_model(self.cfg)  # build the tiny model here, not racing in every actor
         # NOTE: glog level 2 keeps Mooncake's per-connection INFO/WARNING lines out of the actor logs

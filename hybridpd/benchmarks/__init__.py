@@ -1,1 +1,0 @@
-"""Benchmarks behind `hybridpd bench ...` (results: JSON + PNG + markdown)."""
