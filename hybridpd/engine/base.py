@@ -1,4 +1,16 @@
-"""The engine protocol both engines implement (native now, vLLM later).
+"""The engine boundary: what the prefill and decode workers call, and nothing else.
+
+Both engines (``engine/native``, ``engine/vllm``) implement :class:`Engine`;
+``make_engine`` returns it typed as such, so mypy checks the workers against
+this protocol, and ``tests/unit/test_engine_protocol.py`` checks both classes
+against it at runtime. Engine-specific data crosses the boundary only as an
+opaque :class:`HandoffTicket` subclass owned by the engine's package.
+
+Threading: an engine is not thread-safe. The worker's engine loop
+(``services/worker/engine_loop.py``) calls every member under its lock, and
+only the loop thread calls ``step()``, EXCEPT :meth:`Engine.pop_handoff` and
+:meth:`Engine.fetch_handoff`, which move bytes and are called without the
+lock (they touch only the engine's handoff plumbing).
 
 Lifecycle of one request in one engine::
 
@@ -9,20 +21,20 @@ Lifecycle of one request in one engine::
 ``step()`` advances every running request by one scheduling step and
 returns the new tokens. Disaggregated serving splits the lifecycle:
 
-* the prefill engine runs :meth:`Engine.prefill_for_handoff`; it computes the
-  prompt (restoring any hit), samples the first token, and returns a
-  :class:`Handoff`: the request's attention KV (:class:`KVExport`), its final
-  recurrent state (:class:`StateCheckpoint`) and the EAGLE draft state
-  (:class:`DraftState`), each a set of contiguous CPU/GPU buffers that NIXL can
-  register and MooncakeStore can store, plus metadata;
-* the decode engine runs :meth:`Engine.add_handoff` and continues from there.
+* prefill: ``add_request(req, prefill_only=True)``; the request finishes at
+  the end of its prompt (its output carries the tokens sampled there: the
+  first output token for the native engine, none for vLLM, whose decode
+  samples it), and ``pop_handoff(request_id)`` returns the ticket decode needs;
+* decode: ``fetch_handoff(req, ticket)`` moves the bytes (native: NIXL READ
+  and checksum; vLLM: nothing, its connector pulls during steps), then
+  ``add_handoff(req, fetched)`` continues the request from there.
 
-Partial-prefix checkpoints the prefill exported (positions decided by
-``hybridpd.checkpoints``) are returned by :meth:`Engine.pop_exports` so the
-caller can put them in the store and publish them in the index.
-
-Every exported buffer is a contiguous tensor; ``meta`` fields identify what it
-is, so a receiver can verify shape and dtype before use.
+Cache bookkeeping leaves the engine in two streams the prefill worker drains
+after every step: ``pop_exports()`` (partial-prefix checkpoints to put in
+MooncakeStore; positions from ``hybridpd.checkpoints``) and
+``pop_cache_events()`` (what the engine's local cache stored and removed,
+as chain hashes: the index mirrors it). ``import_checkpoint`` enters a
+store hit into the local cache before admission.
 """
 
 from __future__ import annotations
@@ -30,11 +42,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType, Protocol
+from typing import NewType, Protocol, runtime_checkable
 
 import torch
 
-from hybridpd.hashing import BlockHash
+from hybridpd.hashing import BlockHash, BlockHasher
 
 RequestId = NewType("RequestId", str)
 
@@ -115,30 +127,6 @@ class StateCheckpoint:
 
 
 @dataclass(frozen=True, slots=True)
-class DraftState:
-    """What EAGLE needs to continue: the target hidden state at the last
-    computed position (``[hidden]``)."""
-
-    meta: BufferMeta
-    buffers: tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Handoff:
-    """Everything decode needs to continue a prefilled request."""
-
-    request: EngineRequest
-    first_token_id: int
-    num_cached_tokens: int
-    kv: KVExport
-    state: StateCheckpoint
-    draft: DraftState
-
-    def buffers(self) -> Sequence[torch.Tensor]:
-        return (*self.kv.buffers, *self.state.buffers, *self.draft.buffers)
-
-
-@dataclass(frozen=True, slots=True)
 class PoolStats:
     """Accounting a test (or an operator) can check for leaks."""
 
@@ -151,25 +139,150 @@ class PoolStats:
     num_waiting: int
 
 
+@dataclass(frozen=True, slots=True)
+class HandoffTicket:
+    """What decode needs to continue a request prefilled elsewhere: opaque to the
+    workers and the router, picklable (it crosses Ray), subclassed by each engine
+    package (``engine/native/handoff.py``: NIXL descriptor and buffer metadata;
+    ``engine/vllm/engine.py``: vLLM's ``kv_transfer_params``). Only the engine
+    kind that made it can use it."""
+
+    request_id: str
+    #: bytes decode will move for it (0 when the engine moves them itself)
+    nbytes: int = 0
+    #: wall-clock time after which the prefill side frees it (None: no deadline)
+    expires_at: float | None = None
+
+
+class CacheGroup(enum.StrEnum):
+    KV = "kv"  # attention KV blocks, one per prefix_match_unit tokens
+    STATE = "state"  # recurrent-state checkpoints, keyed by the chain hash at their position
+
+
+class CacheEventKind(enum.StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"  # every entry of this engine (``group`` and ``hashes`` unused)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """A change to an engine's local prefix cache, in chain hashes
+    (``hybridpd.hashing``): the index entries of this instance follow it."""
+
+    kind: CacheEventKind
+    group: CacheGroup | None
+    hashes: tuple[BlockHash, ...] = ()
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculative decoding counters (an engine without its own keeps zeros)."""
+
+    steps: int = 0
+    emitted: int = 0
+    #: tokens emitted by each verification step since the last drain (metrics)
+    recent: list[int] = field(default_factory=list)
+
+    def drain(self) -> list[int]:
+        out, self.recent = self.recent, []
+        return out
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffStats:
+    """The prefill side's handoffs: offered and not yet read, freed unread by
+    timeout, and the offer-to-release latencies (seconds) since the last call."""
+
+    outstanding: int = 0
+    expired: int = 0
+    release_latencies: tuple[float, ...] = ()
+
+
+@runtime_checkable
 class Engine(Protocol):
-    """What the prefill/decode actors need from an engine."""
+    """What the prefill/decode workers call (see the module docstring)."""
 
+    #: names the weights: caches and handoffs of another model_id are refused
     model_id: str
+    #: prefix_match_unit: tokens per KV block hash
+    unit: int
+    #: the chain hasher (same algorithm and seed as the router's)
+    hasher: BlockHasher
+    #: True when store checkpoints enter through ``import_checkpoint`` (vLLM: its connector loads them)
+    imports_checkpoints: bool
+    spec: SpecStats
 
-    def add_request(self, request: EngineRequest) -> None: ...
+    def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
+        """Queue ``request``; raise InvalidRequestError for what it cannot serve."""
+        ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step; the outputs of every request that advanced."""
+        ...
 
-    def abort(self, request_id: RequestId) -> bool: ...
+    def abort(self, request_id: RequestId | str) -> bool:
+        """Free ``request_id`` now; False if the engine does not know it."""
+        ...
 
-    def has_work(self) -> bool: ...
+    def has_work(self) -> bool:
+        """Whether ``step()`` has anything to do (the loop sleeps otherwise)."""
+        ...
 
-    def prefill_for_handoff(self, request: EngineRequest) -> Handoff: ...
+    def pop_handoff(self, request_id: str) -> HandoffTicket | None:
+        """The ticket of a finished ``prefill_only`` request (None if it has none:
+        it finished at its first token). Called without the engine lock."""
+        ...
 
-    def add_handoff(self, handoff: Handoff) -> None: ...
+    def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> HandoffTicket:
+        """Make ``ticket`` ready for ``add_handoff`` (moves and verifies its bytes;
+        raises IntegrityError or HandoffError). Called without the engine lock."""
+        ...
 
-    def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]: ...
+    def add_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> None:
+        """Continue a request prefilled elsewhere from a fetched ticket."""
+        ...
 
-    def import_checkpoint(self, kv: KVExport, state: StateCheckpoint, token_ids: Sequence[int]) -> bool: ...
+    def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
+        """Checkpoints exported since the last call, for MooncakeStore."""
+        ...
 
-    def stats(self) -> PoolStats: ...
+    def pop_cache_events(self) -> list[CacheEvent]:
+        """Local cache changes since the last call, in order."""
+        ...
+
+    def import_checkpoint(
+        self, kv: KVExport, state: StateCheckpoint, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> bool:
+        """Enter a verified store checkpoint of ``token_ids`` into the local cache;
+        False when it could not (pools full, or the engine loads store hits itself)."""
+        ...
+
+    def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """The hit an admission of this prompt would get now (no side effects)."""
+        ...
+
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens waiting to be computed (load for routing)."""
+        ...
+
+    def handoff_stats(self) -> HandoffStats:
+        """The prefill side's handoff accounting (drains the latencies)."""
+        ...
+
+    def inject_fault(self, kind: str) -> None:
+        """Test hook (the worker checks the config allows it): ``corrupt_next_handoff``
+        (prefill) or ``delay_next_handoff_read`` (decode); ValueError for others."""
+        ...
+
+    def stats(self) -> PoolStats:
+        """Pool accounting (leak checks, metrics)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds outside its memory (agents, threads, sockets)."""
+        ...

@@ -4,9 +4,10 @@ runs, and where its model (and tokenizer) live."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import Engine
 
 Role = Literal["local", "prefill", "decode"]
 
@@ -30,18 +31,23 @@ def make_engine(
     cfg: HybridPDConfig,
     role: Role,
     *,
+    instance: str = "local",
     export_checkpoints: bool = False,
-    kv_events_endpoint: str | None = None,
+    cache_events: bool = False,
     store: tuple[str, str] | None = None,
-) -> Any:
-    """A ``NativeEngine`` or a ``VllmEngine`` for ``role``; both implement the engine protocol.
+) -> Engine:
+    """The engine ``cfg.engine`` names, in ``role``, typed as the engine boundary.
 
-    vLLM only: ``kv_events_endpoint`` makes the engine publish its KV-cache events there;
-    ``store`` (Mooncake master, metadata URL) gives a prefill engine the shared prefix store."""
+    ``instance`` names the worker (its NIXL agents); ``export_checkpoints`` makes a
+    native prefill engine export partial-prefix checkpoints (``pop_exports``);
+    ``cache_events`` makes a vLLM engine publish its KV-cache events, which it turns
+    into ``pop_cache_events`` (the native engine always records them); ``store``
+    (Mooncake master, metadata URL) gives a vLLM prefill engine the shared prefix store
+    through its own connector."""
     if cfg.engine == "vllm":
         from hybridpd.engine.vllm.engine import VllmEngine
 
-        return VllmEngine(cfg, Path(resolve_model(cfg)), role, kv_events_endpoint=kv_events_endpoint, store=store)
+        return VllmEngine(cfg, Path(resolve_model(cfg)), role, instance=instance, cache_events=cache_events, store=store)
     from hybridpd.engine.native.engine import NativeEngine
 
-    return NativeEngine(cfg, export_checkpoints=export_checkpoints)
+    return NativeEngine(cfg, role=role, instance=instance, export_checkpoints=export_checkpoints)

@@ -18,6 +18,7 @@ from typing import Any
 
 import redis
 
+from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHash
 from hybridpd.index.schema import IndexKeys
@@ -117,6 +118,34 @@ class PrefixIndex:
                 pipe.hdel(self.keys.local_st(instance), *state_hashes)
             pipe.execute()
 
+    def apply_local(self, instance: str, events: Sequence[CacheEvent]) -> None:
+        """Mirror ``instance``'s cache events, in order, in one round trip (idempotent:
+        replaying a batch that failed half-way gives the same entries)."""
+        if not events:
+            return
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            for ev in events:
+                if ev.kind is CacheEventKind.CLEARED:
+                    pipe.delete(self.keys.local_kv(instance), self.keys.local_st(instance))
+                    continue
+                if not ev.hashes:
+                    continue
+                key = self.keys.local_kv(instance) if ev.group is CacheGroup.KV else self.keys.local_st(instance)
+                if ev.kind is CacheEventKind.STORED:
+                    pipe.hset(key, mapping=dict.fromkeys(ev.hashes, 1))
+                    pipe.expire(key, self.ttl_s)
+                else:
+                    pipe.hdel(key, *ev.hashes)
+            pipe.execute()
+
+    def local_entries(self, instance: str) -> tuple[set[BlockHash], set[BlockHash]]:
+        """(KV hashes, state hashes) the index holds for ``instance`` (tests, tools)."""
+        with _mapped():
+            kv = self.r.hkeys(self.keys.local_kv(instance))
+            st = self.r.hkeys(self.keys.local_st(instance))
+        return {BlockHash(_raw(h)) for h in kv}, {BlockHash(_raw(h)) for h in st}
+
     def clear_local(self, instance: str) -> None:
         """Drop every local entry of ``instance`` (its engine cleared its cache)."""
         with _mapped():
@@ -182,3 +211,7 @@ def _pack_args(head: Sequence[object], hashes: Sequence[bytes]) -> tuple[int, by
         else:
             out += b"".join(b"$%d\r\n%s\r\n" % (len(h), h) for h in hashes)
     return len(parts) + len(hashes), out
+
+
+def _raw(field: bytes | str) -> bytes:
+    return field if isinstance(field, bytes) else field.encode()

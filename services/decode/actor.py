@@ -1,4 +1,8 @@
-"""Decode actor: pulls a handoff over NIXL, decodes (EAGLE), streams tokens.
+"""Decode actor: fetches a handoff, decodes (EAGLE), streams tokens.
+
+The handoff ticket is opaque here: the engine fetches what it names
+(``Engine.fetch_handoff``: the native engine READs KV + state + EAGLE hidden
+over NIXL and verifies the checksum; vLLM's connector pulls during steps).
 
 ``generate`` is a generator: the actor yields :class:`TokenChunk` objects as
 the engine produces them (a Ray streaming generator), the last one with
@@ -13,99 +17,73 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import DraftState, Handoff, KVExport, StateCheckpoint
+from hybridpd.engine.base import Engine, EngineRequest, HandoffTicket
 from hybridpd.engine.factory import make_engine
-from hybridpd.engine.vllm.engine import VllmHandoff
-from hybridpd.errors import IntegrityError
-from hybridpd.transfer.nixl_handoff import HandoffClient
+from hybridpd.errors import IntegrityError, InvalidRequestError
 from services.worker.base import WorkerBase, ray_metrics, startup_guard
 from services.worker.engine_loop import EngineLoop
 from services.worker.messages import PrefillResult, TokenChunk
-from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS
+from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS, DecodeCounters
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(WorkerBase):
-    def __init__(self, cfg: HybridPDConfig, name: str) -> None:
-        with startup_guard(name):
-            self._start(cfg, name)
+    """The actor's body (plain class, so tests can also run it in-process).
 
-    def _start(self, cfg: HybridPDConfig, name: str) -> None:
+    ``engine``: tests pass an engine built elsewhere; actors build theirs from ``cfg``."""
+
+    def __init__(self, cfg: HybridPDConfig, name: str, *, engine: Engine | None = None) -> None:
+        with startup_guard(name):
+            self._start(cfg, name, engine)
+
+    def _start(self, cfg: HybridPDConfig, name: str, engine: Engine | None) -> None:
         self.cfg = cfg
         self.name = name
-        self.engine = make_engine(cfg, "decode")
-        self.client = HandoffClient("%s-%d" % (name, int(time.time() * 1000) % 100000))
-        self.client_lock = threading.Lock()
+        self.engine = engine or make_engine(cfg, "decode", instance=name)
         self.loop = EngineLoop(self.engine)
         self.stats_lock = threading.Lock()
-        self.counters: dict[str, float] = {
-            "handoffs": 0,
-            "nixl_read_bytes": 0,
-            "checksum_failures": 0,
-            "decode_tokens": 0,
-        }
-        self.delay_next_read = False
+        self.counters = DecodeCounters()
         self._stop = threading.Event()
         self.metrics = ray_metrics(name, DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS)
         if self.metrics is not None:
             self.metrics.run(self._metric_snapshot, self._stop)
 
-    def inject_fault(self, kind: str) -> None:
-        """Test hook (only reachable when the config enables fault injection)."""
-        self._allow_fault(kind, "delay_next_handoff_read")
-        self.delay_next_read = True
-
-    def _pull(self, prefill, request) -> Handoff:
-        desc = prefill.descriptor
-        if self.delay_next_read:  # fault injection: arrive after prefill's handoff timeout
-            self.delay_next_read = False
-            time.sleep(max(0.0, desc.expires_at - time.time()) + 0.5)
-        t0 = time.perf_counter()
-        try:
-            with self.client_lock:
-                bufs = self.client.fetch(desc, device=self.cfg.device)
-        except IntegrityError:
-            with self.stats_lock:
-                self.counters["checksum_failures"] += 1
-            raise
-        with self.stats_lock:
-            self.counters["handoffs"] += 1
-            self.counters["nixl_read_bytes"] += desc.nbytes
-        if self.metrics is not None:
-            self.metrics.observe("nixl_read_seconds", time.perf_counter() - t0)
-        n_kv = len(prefill.kv_meta.shapes)
-        n_st = len(prefill.state_meta.shapes)
-        return Handoff(
-            request=request,
-            first_token_id=prefill.first_token_id,
-            num_cached_tokens=prefill.num_cached_tokens,
-            kv=KVExport(prefill.kv_meta, tuple(bufs[:n_kv])),
-            state=StateCheckpoint(prefill.state_meta, None, tuple(bufs[n_kv : n_kv + n_st])),
-            draft=DraftState(prefill.draft_meta, tuple(bufs[n_kv + n_st :])),
-        )
-
-    def generate(self, prefill: PrefillResult, request) -> Iterator[TokenChunk]:
+    def generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
         """Continue ``request`` from its prefill; yields chunks until finished."""
         with self.engine_errors():
             yield from self._generate(prefill, request)
 
-    def _generate(self, prefill: PrefillResult, request) -> Iterator[TokenChunk]:
-        handoff: Handoff | VllmHandoff
-        if prefill.transfer_params is not None:  # vLLM: its NixlConnector pulls the KV
-            handoff = VllmHandoff(request, None, prefill.num_cached_tokens, prefill.transfer_params)
+    def _fetch(self, prefill: PrefillResult, request: EngineRequest) -> HandoffTicket:
+        """The handoff's bytes, moved and verified by the engine (outside the engine lock)."""
+        ticket = prefill.ticket
+        if ticket is None:
+            raise InvalidRequestError("request %s has no handoff to continue" % request.request_id)
+        t0 = time.perf_counter()
+        try:
+            fetched = self.engine.fetch_handoff(request, ticket)
+        except IntegrityError:
             with self.stats_lock:
-                self.counters["handoffs"] += 1
-        else:
-            handoff = self._pull(prefill, request)
-        q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(handoff))
+                self.counters.checksum_failures += 1
+            raise
+        with self.stats_lock:
+            self.counters.decode_handoffs += 1
+            self.counters.nixl_read_bytes += ticket.nbytes
+        if self.metrics is not None and ticket.nbytes:
+            self.metrics.observe("nixl_read_seconds", time.perf_counter() - t0)
+        return fetched
+
+    def _generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
+        fetched = self._fetch(prefill, request)
+        q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(request, fetched))
         try:
             while True:
                 chunk = _next_chunk(q, request.request_id)
                 with self.stats_lock:
-                    self.counters["decode_tokens"] += len(chunk.token_ids)
+                    self.counters.decode_tokens += len(chunk.token_ids)
                 yield chunk
                 if chunk.finished:
                     return
@@ -125,8 +103,8 @@ class DecodeWorker(WorkerBase):
             for n in recent:
                 self.metrics.observe("eagle_acceptance_length", n)
         with self.stats_lock:
-            counters = dict(self.counters)
-        counters.update(eagle_steps=steps, eagle_emitted_tokens=emitted)
+            self.counters.eagle_steps, self.counters.eagle_emitted_tokens = steps, emitted
+            counters: dict[str, float] = asdict(self.counters)
         return counters, {"decode_running_requests": pool.num_running, "free_kv_blocks": pool.num_free_blocks}
 
     def stats(self) -> dict:
@@ -137,7 +115,7 @@ class DecodeWorker(WorkerBase):
     def close(self) -> None:
         self._stop.set()
         self.loop.close()
-        self.client.close()
+        self.engine.close()
 
 
 def _next_chunk(q: queue.Queue, request_id: str, stall_s: float = 600.0) -> TokenChunk:

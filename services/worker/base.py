@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import Engine
 from hybridpd.errors import EngineError, HybridPDError, StartupError
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import ActorMetrics
@@ -22,17 +23,17 @@ logger = logging.getLogger(__name__)
 class WorkerBase:
     cfg: HybridPDConfig
     name: str
-    engine: Any  # NativeEngine or VllmEngine (hybridpd.engine.factory)
+    engine: Engine
     loop: EngineLoop
     stats_lock: threading.Lock
-    counters: dict[str, Any]
+    counters: Any  # a counters dataclass (services/worker/metrics.py)
 
     def _base_stats(self) -> dict[str, Any]:
         """Identity, pool accounting and counters: the part of ``stats()`` every worker has."""
         with self.loop.lock:
             pool = self.engine.stats()
         with self.stats_lock:
-            counters = dict(self.counters)
+            counters = asdict(self.counters)
         return {
             "name": self.name,
             "model_id": self.engine.model_id,
@@ -41,12 +42,11 @@ class WorkerBase:
             **counters,
         }
 
-    def _allow_fault(self, kind: str, known: str) -> None:
-        """Raise unless fault injection is on and ``kind`` is this worker's fault."""
+    def inject_fault(self, kind: str) -> None:
+        """Test hook: the engine injects ``kind`` (only when the config enables fault injection)."""
         if not self.cfg.fault_injection:
             raise PermissionError("fault injection is disabled")
-        if kind != known:
-            raise ValueError("unknown fault %r" % kind)
+        self.engine.inject_fault(kind)
 
     @contextmanager
     def engine_errors(self) -> Iterator[None]:

@@ -14,15 +14,14 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
 
-from hybridpd.engine.base import FinishReason, RequestId, RequestOutput
+from hybridpd.engine.base import Engine, FinishReason, RequestId, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, after_step: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.lock = threading.RLock()
         self.queues: dict[str, queue.Queue[RequestOutput | BaseException]] = {}

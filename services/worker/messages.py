@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridpd.engine.base import BufferMeta, EngineRequest
-from hybridpd.transfer.nixl_handoff import HandoffDescriptor
+from hybridpd.engine.base import EngineRequest, HandoffTicket
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,25 +16,24 @@ class PrefillCommand:
 
 @dataclass(frozen=True, slots=True)
 class PrefillResult:
-    """The first token and, unless the request already finished, the handoff."""
+    """The tokens sampled at prefill and, unless the request already finished, the handoff."""
 
     request_id: str
     instance: str
-    first_token_id: int | None  # None: decode produces the first token (vLLM's P/D)
+    #: output tokens the prefill produced: the first one (native engine) or none
+    #: (vLLM, whose decode samples every output token); the router streams them first
+    token_ids: tuple[int, ...]
+    #: set when the request finished at prefill (then there is no ticket)
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int
     loaded_from_store: int
-    descriptor: HandoffDescriptor | None = None
-    kv_meta: BufferMeta | None = None
-    state_meta: BufferMeta | None = None
-    draft_meta: BufferMeta | None = None
-    #: vLLM engines: the NixlConnector's kv_transfer_params (vLLM moves the KV itself)
-    transfer_params: dict | None = None
+    #: opaque: only the decode engine of the same kind reads it
+    ticket: HandoffTicket | None = None
 
     @property
     def has_handoff(self) -> bool:
-        return self.descriptor is not None or self.transfer_params is not None
+        return self.ticket is not None
 
 
 @dataclass(frozen=True, slots=True)

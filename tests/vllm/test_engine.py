@@ -62,10 +62,10 @@ def test_prefill_decode_over_nixl_matches_local_run() -> None:
         assert qp_out.get(timeout=300) == "ready" and qd_out.get(timeout=300) == "ready"
         for rid, toks, corrupt in [(r, t, False) for r, t in prompts] + [(bad_rid, bad_toks, True)]:
             qp_in.put((rid, toks, 10, corrupt))
-            handoff = qp_out.get(timeout=300)
-            assert handoff.kv_transfer_params, handoff
-            assert handoff.first_token_id is None  # decode produces every output token
-            qd_in.put(handoff)
+            request, ticket, prefill_tokens = qp_out.get(timeout=300)
+            assert ticket.kv_transfer_params, ticket
+            assert prefill_tokens == []  # decode produces every output token
+            qd_in.put((request, ticket))
             got[rid] = qd_out.get(timeout=300)
     finally:
         qp_in.put("exit")

@@ -53,7 +53,7 @@ def test_prefill_decode_through_the_actors_matches_local_vllm(vstack: Stack) -> 
         assert out.usage.completion_tokens == 10
     assert_match_reference(prompts, 10, got)
     stats = vstack.wait_all_free(60)
-    assert stats["decode-0"]["handoffs"] >= len(prompts)
+    assert stats["decode-0"]["decode_handoffs"] >= len(prompts)
 
 
 def test_prefix_hit_is_reported_in_usage_and_output_matches_no_cache(vstack: Stack) -> None:

@@ -68,13 +68,15 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
         if msg == "exit":
             break
         rid, toks, max_tokens, *rest = msg
-        eng.add_request(req(rid, toks, max_tokens), prefill_only=True)
-        while rid not in eng.handoffs and eng.has_work():
-            eng.step()
-        handoff = eng.handoffs.pop(rid)
+        request = req(rid, toks, max_tokens)
+        eng.add_request(request, prefill_only=True)
+        outs = []
+        while not any(o.finished for o in outs) and eng.has_work():
+            outs.extend(o for o in eng.step() if o.request_id == rid)
+        ticket = eng.pop_handoff(rid)
         if rest and rest[0]:
-            corrupt_handoff_block(eng, handoff.kv_transfer_params)
-        q_out.put(handoff)
+            corrupt_handoff_block(eng, ticket.kv_transfer_params)
+        q_out.put((request, ticket, [t for o in outs for t in o.new_token_ids]))
     q_out.put("bye")
 
 
@@ -105,7 +107,8 @@ def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> Non
     eng = _engine("decode", overrides, side_port)
     q_out.put("ready")
     while (msg := q_in.get()) != "exit":
-        eng.add_handoff(msg)
+        request, ticket = msg
+        eng.add_handoff(request, eng.fetch_handoff(request, ticket))
         got: list[int] = []
         while eng.has_work():
             for o in eng.step():
@@ -115,21 +118,23 @@ def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> Non
 
 
 def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str | None]], max_tokens: int) -> None:  # type: ignore[no-untyped-def]
-    """A vLLM engine publishing KV events, mirrored into the index as instance
-    'vllm-0'; reports each request's cached tokens and the feed's counters."""
+    """A vLLM engine with cache events, mirrored into the index as instance
+    'vllm-0' the way the prefill worker does (``PrefixIndex.apply_local``);
+    reports each request's cached tokens and the feed's counters."""
     import time
 
-    from hybridpd.engine.vllm.kv_events import KVEventFeed, kv_events_endpoint
+    from hybridpd.engine.base import Engine
     from hybridpd.index.prefix_index import PrefixIndex
 
-    endpoint = kv_events_endpoint()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from hybridpd.engine.vllm.engine import VllmEngine
     from hybridpd.engine.vllm.tiny import resolve
 
-    eng = VllmEngine(load_config(env={}, overrides=BASE), resolve(), "local", kv_events_endpoint=endpoint)
-    feed = KVEventFeed(PrefixIndex(redis_url, eng.model_id), "vllm-0", eng.hasher)
-    feed.start(endpoint)
+    eng = VllmEngine(load_config(env={}, overrides=BASE), resolve(), "local", cache_events=True)
+    assert isinstance(eng, Engine)  # the engine boundary holds at run time for vLLM too
+    feed = eng.feed
+    assert feed is not None
+    index = PrefixIndex(redis_url, eng.model_id)
     time.sleep(0.5)  # the subscriber joins before the first event
     out: dict[str, Any] = {"model_id": eng.model_id}
     for rid, toks, salt in prompts:
@@ -139,14 +144,14 @@ def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str
             for o in eng.step():
                 cached = max(cached, o.num_cached_tokens)
         out[rid] = cached
-        feed.index.publish_local("vllm-0", eng.cached_hashes(list(toks), salt)[0], ())  # as the prefill actor does
         time.sleep(0.5)  # events are published after the step that stored the blocks
+        index.apply_local("vllm-0", eng.pop_cache_events())
     out["feed"] = {
         "published_kv": feed.published_kv,
         "published_states": feed.published_states,
         "mismatches": feed.mismatches,
     }
-    feed.close()
+    eng.close()
     q_out.put(out)
 
 

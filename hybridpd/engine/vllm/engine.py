@@ -5,16 +5,16 @@ Drives vLLM's ``LLMEngine`` with its engine core in this process
 native engine: the actors' engine loop owns it. (vLLM's ``AsyncLLM`` wraps the
 same engine core for asyncio servers; our actors step engines from a thread.)
 
-Prefill/decode disaggregation uses vLLM's NixlConnector, so the handoff is
-not a set of our buffers but vLLM's ``kv_transfer_params``:
+Prefill/decode disaggregation uses vLLM's NixlConnector, so the handoff
+ticket (``VllmTicket``) carries no buffers of ours but vLLM's ``kv_transfer_params``:
 
 * prefill: ``add_request(req, prefill_only=True)`` runs the prompt with
   ``max_tokens=1`` and ``do_remote_decode``; the finished output carries the
   ``kv_transfer_params`` decode needs. For hybrid models vLLM's prefill side
   stops one token short (decode recomputes the last prompt token on top of
   the pulled KV and recurrent state), so the token it samples is NOT the first
-  output token and is never reported: ``VllmHandoff.first_token_id`` is None;
-* decode: ``add_handoff(VllmHandoff)`` submits the request with those params;
+  output token and is never reported: the prefill output carries no tokens;
+* decode: ``add_handoff(request, VllmTicket)`` submits the request with those params;
   vLLM's connector pulls KV and state from the prefill engine over NIXL and
   decode produces every output token, the first included.
 
@@ -29,16 +29,30 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import EngineRequest, FinishReason, PoolStats, RequestId, RequestOutput
-from hybridpd.engine.native.engine import SpecStats
+from hybridpd.engine.base import (
+    CacheEvent,
+    CacheEventKind,
+    CacheGroup,
+    EngineRequest,
+    FinishReason,
+    HandoffStats,
+    HandoffTicket,
+    KVExport,
+    PoolStats,
+    RequestId,
+    RequestOutput,
+    SpecStats,
+    StateCheckpoint,
+)
 from hybridpd.engine.vllm.args import Role, check_dtype, engine_kwargs, mooncake_config
+from hybridpd.engine.vllm.kv_events import KVEventFeed, kv_events_endpoint
 from hybridpd.errors import InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import listen_ports
@@ -97,20 +111,20 @@ def _one_gloo_device() -> Iterator[None]:
 
 
 @dataclass(frozen=True, slots=True)
-class VllmHandoff:
-    """What decode needs to continue a request prefilled by another vLLM engine."""
+class VllmTicket(HandoffTicket):
+    """What decode needs to continue a request prefilled by another vLLM engine:
+    the NixlConnector's ``kv_transfer_params`` (vLLM's decode pulls KV and state
+    itself; it produces every output token, the first included)."""
 
-    request: EngineRequest
-    first_token_id: int | None  # None: decode produces the first token (vLLM's hybrid P/D)
-    num_cached_tokens: int
-    kv_transfer_params: dict[str, Any]
+    num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class _Live:
     request: EngineRequest
     prefill_only: bool
-    handoff: VllmHandoff | None = None
+    handoff: VllmTicket | None = None
 
 
 class VllmEngine:
@@ -125,17 +139,22 @@ class VllmEngine:
         model_dir: Path,
         role: Role = "local",
         *,
-        kv_events_endpoint: str | None = None,
+        instance: str = "local",
+        cache_events: bool = False,
         kv_cache_memory_bytes: int = 1 << 30,
         store: tuple[str, str] | None = None,
     ) -> None:
-        """``store``: (Mooncake master, metadata URL) for a prefill engine's shared
-        prefix store (MooncakeStoreConnector beside the NixlConnector)."""
+        """``cache_events``: vLLM publishes its KV-cache events (ZMQ, a machine-local
+        socket) and ``pop_cache_events`` returns them translated; ``store``: (Mooncake
+        master, metadata URL) for a prefill engine's shared prefix store
+        (MooncakeStoreConnector beside the NixlConnector). ``instance`` names the
+        worker in logs."""
         check_dtype(cfg, model_dir)
+        events_endpoint = kv_events_endpoint() if cache_events else None
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if cfg.device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_memory_bytes >> 30)))
-        if kv_events_endpoint is not None:
+        if events_endpoint is not None:
             os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"  # full hashes: they equal our chain
         if store is not None and role == "prefill":
             path = Path(tempfile.mkdtemp(prefix="hybridpd-mooncake-")) / "mooncake.json"
@@ -158,11 +177,11 @@ class VllmEngine:
             cfg,
             model_dir,
             role,
-            kv_events_endpoint=kv_events_endpoint,
+            kv_events_endpoint=events_endpoint,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             store=store is not None and role == "prefill",
         )
-        logger.info("starting vLLM (%s) with %s", role, kw)
+        logger.info("%s: starting vLLM (%s) with %s", instance, role, kw)
         with _one_gloo_device():
             self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
         self.model_id = "vllm:%s" % model_dir.name
@@ -170,8 +189,13 @@ class VllmEngine:
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
         self.spec = SpecStats()  # vLLM reports speculative decoding in its own metrics
         self.live: dict[str, _Live] = {}
-        self.handoffs: dict[str, VllmHandoff] = {}
+        self.handoffs: dict[str, VllmTicket] = {}
         self.pending: list[RequestOutput] = []
+        #: vLLM's KV events, translated (None: not asked for)
+        self.feed: KVEventFeed | None = None
+        if events_endpoint is not None:
+            self.feed = KVEventFeed(self.hasher)
+            self.feed.start(events_endpoint)
 
     # -- requests ----------------------------------------------------------------------
     def _sampling(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> Any:
@@ -209,18 +233,25 @@ class VllmEngine:
         self._submit(request, max_tokens, transfer)
         self.live[request.request_id] = _Live(request, prefill_only)
 
-    def add_handoff(self, handoff: VllmHandoff) -> None:
+    def pop_handoff(self, request_id: str) -> VllmTicket | None:
+        return self.handoffs.pop(request_id, None)
+
+    def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> VllmTicket:
+        """Nothing to move here: vLLM's connector pulls KV and state during steps."""
+        if not isinstance(ticket, VllmTicket):
+            raise InvalidRequestError("a vLLM decode engine cannot continue a %s" % type(ticket).__name__)
+        return ticket
+
+    def add_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> None:
         """Continue a request prefilled elsewhere: vLLM pulls its KV and state over NIXL
         and generates every output token."""
-        req = handoff.request
-        if req.request_id in self.live:
-            raise InvalidRequestError("duplicate request id %s" % req.request_id)
-        if handoff.first_token_id is not None:
-            raise InvalidRequestError("a vLLM handoff carries no first token (decode produces it)")
-        self._submit(req, req.sampling.max_tokens, dict(handoff.kv_transfer_params))
-        self.live[req.request_id] = _Live(req, False, handoff=handoff)
+        ticket = self.fetch_handoff(request, ticket)
+        if request.request_id in self.live:
+            raise InvalidRequestError("duplicate request id %s" % request.request_id)
+        self._submit(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params))
+        self.live[request.request_id] = _Live(request, False, handoff=ticket)
 
-    def abort(self, request_id: RequestId) -> bool:
+    def abort(self, request_id: RequestId | str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
         self.engine.abort_request([request_id])
@@ -264,12 +295,15 @@ class VllmEngine:
                     reason = FinishReason.ABORT
             if live.prefill_only and out.finished:
                 params = out.kv_transfer_params or {}
-                if params:
-                    self.handoffs[out.request_id] = VllmHandoff(live.request, None, cached, params)
+                if params:  # handed off: finished here, not for the client
+                    self.handoffs[out.request_id] = VllmTicket(out.request_id, 0, None, cached, params)
+                    reason = None
                 tokens = ()  # not an output token (see the module docstring)
             outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
             if out.finished:
                 del self.live[out.request_id]
+                if live.handoff is None:  # its prompt was computed here
+                    self._prompt_units_stored(live.request)
         return outputs
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
@@ -282,20 +316,44 @@ class VllmEngine:
                 out[o.request_id].extend(o.new_token_ids)
         return out
 
-    def pop_exports(self) -> list:
+    def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
         """Checkpoints go to the store through vLLM's connector, not through us."""
         return []
 
-    def cached_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[list, list]:
-        """(KV unit hashes, state hashes) to publish for a prompt just prefilled here.
+    def _prompt_units_stored(self, req: EngineRequest) -> None:
+        """A request whose prompt was computed here finished: its prompt's full units
+        are cached (a STORED event).
 
         vLLM's KV events name its attention blocks and state checkpoints but not
         the prefix_match_unit pieces between its last full attention block and a
-        partial checkpoint, so the prompt's full units are published from here;
-        the state checkpoints come from the events (``kv_events``)."""
-        if not self.cfg.enable_prefix_caching:
-            return [], []
-        return self.hasher.chain(token_ids, cache_salt=cache_salt), []
+        partial checkpoint, so the prompt's full units are recorded from here;
+        the state checkpoints come from vLLM's events (``kv_events``)."""
+        if self.feed is not None and self.cfg.enable_prefix_caching:
+            units = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
+            if units:
+                self.feed.add(CacheEvent(CacheEventKind.STORED, CacheGroup.KV, tuple(units)))
+
+    def pop_cache_events(self) -> list[CacheEvent]:
+        return self.feed.pop() if self.feed is not None else []
+
+    def import_checkpoint(
+        self, kv: KVExport, state: StateCheckpoint, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> bool:
+        """Never imports: store hits enter through vLLM's MooncakeStoreConnector
+        (``imports_checkpoints`` is False, so workers do not call this)."""
+        return False
+
+    def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """0: vLLM looks its prefix cache up at admission; workers consult this only
+        for engines that import store checkpoints (``imports_checkpoints``)."""
+        return 0
+
+    def handoff_stats(self) -> HandoffStats:
+        """vLLM's connector owns its handoffs (its own metrics count them)."""
+        return HandoffStats()
+
+    def inject_fault(self, kind: str) -> None:
+        raise ValueError("unknown fault %r (the vLLM engine injects none)" % kind)
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)
@@ -316,6 +374,8 @@ class VllmEngine:
         return PoolStats(total, free, 0, 0, 0, running, 0)
 
     def close(self) -> None:
+        if self.feed is not None:
+            self.feed.close()
         try:
             self.engine.engine_core.shutdown()
         except Exception:  # already down

@@ -1,4 +1,4 @@
-"""Mirror a vLLM engine's KV-cache events into the Redis prefix index.
+"""A vLLM engine's KV-cache events, as our cache events (``engine.base.CacheEvent``).
 
 vLLM publishes ``KVEventBatch`` messages (msgpack over ZMQ PUB) when blocks
 are stored, removed or all cleared. With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``
@@ -16,9 +16,11 @@ its KV-cache group kind:
   the chain hash at that position); the several Mamba groups of one model
   report the same hashes and are published once.
 
-Removed blocks are removed from the index; ``AllBlocksCleared`` drops the
-instance's entries. ``KVEventFeed.apply`` is the pure mapping;
-``KVEventFeed.start`` runs it on a ZMQ subscriber thread.
+Removed blocks become REMOVED events (of the unit hashes they covered);
+``AllBlocksCleared`` becomes CLEARED. ``KVEventFeed.apply`` is the pure
+mapping; ``KVEventFeed.start`` runs it on a ZMQ subscriber thread. The engine
+drains the result with ``pop_cache_events``, like the native engine's, and
+the prefill worker's publisher writes the index: one stream for both engines.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ import logging
 import tempfile
 import threading
 import uuid
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hybridpd.errors import UnavailableError
+from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.hashing import BlockHash, BlockHasher
-from hybridpd.index.prefix_index import PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +56,10 @@ def _salt(block_keys: Any) -> str | None:
 
 
 class KVEventFeed:
-    """Turns one engine's KV events into local index entries of ``instance``."""
+    """Turns one engine's KV events into cache events (``pop`` drains them; thread-safe)."""
 
-    def __init__(self, index: PrefixIndex, instance: str, hasher: BlockHasher) -> None:
-        self.index = index
-        self.instance = instance
+    def __init__(self, hasher: BlockHasher) -> None:
+        self.events: deque[CacheEvent] = deque()
         self.hasher = hasher
         self.group_kind: dict[int, str] = {}
         #: attention block end hash -> the unit hashes it covers (to remove them later)
@@ -77,7 +78,7 @@ class KVEventFeed:
         hashes = [bytes(h) for h in ev.block_hashes]
         if kind == "mamba":
             new = [BlockHash(h) for h in hashes]
-            self.index.publish_local(self.instance, (), new)
+            self.events.append(CacheEvent(CacheEventKind.STORED, CacheGroup.STATE, tuple(new)))
             self.published_states += len(new)
             return
         if kind != "full_attention":
@@ -107,34 +108,42 @@ class KVEventFeed:
             self.units_of[end] = chunk
             publish.extend(chunk)
         if publish:
-            self.index.publish_local(self.instance, publish, ())
+            self.events.append(CacheEvent(CacheEventKind.STORED, CacheGroup.KV, tuple(publish)))
             self.published_kv += len(publish)
 
     def _removed(self, ev: Any) -> None:
         kind = self.group_kind.get(int(ev.group_idx or 0), "")
         hashes = [bytes(h) for h in ev.block_hashes]
         if kind == "mamba":
-            self.index.remove_local(self.instance, (), [BlockHash(h) for h in hashes])
+            self.events.append(CacheEvent(CacheEventKind.REMOVED, CacheGroup.STATE, tuple(map(BlockHash, hashes))))
         else:
             units = [u for h in hashes for u in self.units_of.pop(h, [])]
             if units:
-                self.index.remove_local(self.instance, units, ())
+                self.events.append(CacheEvent(CacheEventKind.REMOVED, CacheGroup.KV, tuple(units)))
         self.removed += len(hashes)
 
     def apply(self, events: Iterable[Any]) -> None:
-        """Apply a batch's events in order (index outages are logged, not raised)."""
-        try:
-            for ev in events:
-                name = type(ev).__name__
-                if name == "BlockStored":
-                    self._stored(ev)
-                elif name == "BlockRemoved":
-                    self._removed(ev)
-                elif name == "AllBlocksCleared":
-                    self.index.clear_local(self.instance)
-                    self.units_of.clear()
-        except UnavailableError as exc:
-            logger.warning("prefix index unavailable, KV events dropped: %s", exc)
+        """Translate a batch's events in order."""
+        for ev in events:
+            name = type(ev).__name__
+            if name == "BlockStored":
+                self._stored(ev)
+            elif name == "BlockRemoved":
+                self._removed(ev)
+            elif name == "AllBlocksCleared":
+                self.events.append(CacheEvent(CacheEventKind.CLEARED, None))
+                self.units_of.clear()
+
+    def add(self, event: CacheEvent) -> None:
+        """An event the engine itself knows of (see ``VllmEngine.pop_handoff``)."""
+        self.events.append(event)
+
+    def pop(self) -> list[CacheEvent]:
+        """Every event translated so far, in order (the subscriber keeps appending)."""
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
 
     # -- the subscriber ----------------------------------------------------------------
     def start(self, endpoint: str) -> None:
