@@ -13,9 +13,10 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -35,7 +36,8 @@ from hybridpd.errors import (
 )
 from hybridpd.tokenizer import ChatMessage
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
-from services.router.orchestrator import Event, Orchestrator
+from services.router.orchestrator import Orchestrator
+from services.router.output import Event
 
 logger = logging.getLogger(__name__)
 
@@ -63,163 +65,192 @@ def _error(status: int, message: str, kind: str, headers: dict[str, str] | None 
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
 
 
+@dataclass(frozen=True, slots=True)
+class RouterState:
+    """What the handlers serve from (``app.state.hybridpd``)."""
+
+    orch: Orchestrator
+    served_model: str
+    stats: Callable[[], Awaitable[dict]]
+    keys: ApiKeys
+
+
+def _state(request: Request) -> RouterState:
+    state: RouterState = request.app.state.hybridpd
+    return state
+
+
+State = Annotated[RouterState, Depends(_state)]
+router = APIRouter()
+
+
 def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaitable[dict]]) -> FastAPI:
-    keys = ApiKeys(orch.cfg.api_keys)
+    """The HTTP app: this module's handlers serving ``orch`` as model ``served_model``."""
     app = FastAPI(title="hybridpd", version="1", summary="OpenAI-compatible serving for hybrid LLMs")
-
-    @app.middleware("http")
-    async def request_id_and_limits(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = rid
-        size = request.headers.get("content-length")
-        request.state.tenant = None
-        resp: Response
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            resp = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
-        else:
-            try:
-                if request.url.path.startswith("/v1/"):  # /health, /metrics, /docs stay open
-                    request.state.tenant = keys.tenant(request.headers.get("authorization"))
-                resp = await call_next(request)
-            except AuthError as exc:
-                resp = _error(401, str(exc), "authentication_error", {"WWW-Authenticate": "Bearer"})
-        resp.headers["X-Request-Id"] = rid
-        return resp
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        msgs = [
-            "%s: %s" % (".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg")) for e in exc.errors()
-        ]
-        return _error(400, "; ".join(msgs), "invalid_request_error")
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # body parse errors, 404 routes, 405 methods: same error shape as everything else
-        kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-        return _error(exc.status_code, str(exc.detail), kind, dict(exc.headers or {}) or None)
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
-        return _error(500, "internal error: %s" % type(exc).__name__, "internal_error")
-
-    @app.exception_handler(HybridPDError)
-    async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
-        status = int(http_status(exc))
-        headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
-        return _error(status, describe(exc), type(unwrap(exc)).__name__, headers)
-
-    def engine_request(
-        body: _Common, tokens: list[int], rid: str, default_max: int, tenant: str | None
-    ) -> EngineRequest:
-        if body.model != served_model:
-            raise NotFoundError("model %r is not served here (serving %r)" % (body.model, served_model))
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, min(default_max, orch.cfg.max_model_len - len(tokens)))
-        sp = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            seed=body.seed,
-            stop_token_ids=() if body.ignore_eos else orch.tokenizer.stop_token_ids,  # end-of-turn ids are EOS too
-            ignore_eos=body.ignore_eos,
-        )
-        return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt))
-
-    async def run(body: _Common, req: EngineRequest, api: str, kind: str) -> Response:
-        created = int(time.time())
-        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        oid = prefix + req.request_id
-        events = orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list())
-        if body.stream:
-            first = await anext(events)  # errors before the first token become a proper HTTP status
-            return StreamingResponse(_sse(first, events, oid, created, body, kind), media_type="text/event-stream")
-        ids: list[int] = []
-        text = []
-        last: Event | None = None
-        async for ev in events:
-            ids.extend(ev.token_ids)
-            text.append(ev.text)
-            last = ev
-        assert last is not None and last.usage is not None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        if body.return_token_ids:
-            choice["token_ids"] = ids
-        return JSONResponse(
-            {
-                "id": oid,
-                "object": "chat.completion" if kind == "chat" else "text_completion",
-                "created": created,
-                "model": body.model,
-                "choices": [choice],
-                "usage": _usage(last),
-            }
-        )
-
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        tokens = list(body.prompt) if isinstance(body.prompt, list) else orch.tokenizer.encode(body.prompt)
-        if not tokens:
-            raise InvalidRequestError("prompt tokenizes to nothing")
-        req = engine_request(body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant)
-        return await run(body, req, "completions", "text")
-
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        tokens = orch.tokenizer.apply_chat_template([ChatMessage(m.role, m.content) for m in body.messages])
-        req = engine_request(body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant)
-        return await run(body, req, "chat", "chat")
-
-    @app.get("/v1/models", responses=AUTH_RESPONSES)
-    async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": served_model,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "hybridpd",
-                    "max_model_len": orch.cfg.max_model_len,
-                }
-            ],
-        }
-
-    @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.post("/v1/hybridpd/faults", responses=ERROR_RESPONSES)
-    async def faults(body: dict[str, str]) -> dict:
-        """Test hook: {"corrupt_next_handoff": "prefill-0"} or {"delay_next_handoff_read": "decode-0"}.
-        404 unless fault_injection is on."""
-        if not orch.cfg.fault_injection:
-            raise NotFoundError("fault injection is disabled")
-        for kind, instance in body.items():
-            if kind not in FAULT_KINDS:
-                raise InvalidRequestError("unknown fault %r (known: %s)" % (kind, ", ".join(FAULT_KINDS)))
-            actors = orch.prefill if FAULT_KINDS[kind] == "prefill" else orch.decode_by_name
-            if instance not in actors:
-                raise InvalidRequestError("no %s instance %r" % (FAULT_KINDS[kind], instance))
-            await actors[instance].inject_fault.remote(kind)
-        return {"ok": True}
-
-    @app.get("/v1/hybridpd/stats", responses=AUTH_RESPONSES)
-    async def actor_stats() -> dict:
-        return await stats()
-
+    app.state.hybridpd = RouterState(orch, served_model, stats, ApiKeys(orch.cfg.api_keys))
+    app.middleware("http")(request_id_and_limits)
+    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
+    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, on_unexpected)
+    app.add_exception_handler(HybridPDError, on_error)  # type: ignore[arg-type]
+    app.include_router(router)
     return app
+
+
+# -- middleware and error handlers ------------------------------------------------------
+async def request_id_and_limits(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    """``X-Request-Id`` on every response, the body size limit (413), API keys on /v1/ (401)."""
+    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+    request.state.request_id = rid
+    size = request.headers.get("content-length")
+    request.state.tenant = None
+    resp: Response
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        resp = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
+    else:
+        try:
+            if request.url.path.startswith("/v1/"):  # /health, /metrics, /docs stay open
+                keys = _state(request).keys
+                request.state.tenant = keys.tenant(request.headers.get("authorization"))
+            resp = await call_next(request)
+        except AuthError as exc:
+            resp = _error(401, str(exc), "authentication_error", {"WWW-Authenticate": "Bearer"})
+    resp.headers["X-Request-Id"] = rid
+    return resp
+
+
+async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    msgs = ["%s: %s" % (".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg")) for e in exc.errors()]
+    return _error(400, "; ".join(msgs), "invalid_request_error")
+
+
+async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    # body parse errors, 404 routes, 405 methods: same error shape as everything else
+    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
+    return _error(exc.status_code, str(exc.detail), kind, dict(exc.headers or {}) or None)
+
+
+async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
+    return _error(500, "internal error: %s" % type(exc).__name__, "internal_error")
+
+
+async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
+    status = int(http_status(exc))
+    headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
+    return _error(status, describe(exc), type(unwrap(exc)).__name__, headers)
+
+
+# -- generation -------------------------------------------------------------------------
+@router.post("/v1/completions", responses=ERROR_RESPONSES)
+async def completions(body: CompletionRequest, request: Request, st: State) -> Response:
+    tokens = list(body.prompt) if isinstance(body.prompt, list) else st.orch.tokenizer.encode(body.prompt)
+    if not tokens:
+        raise InvalidRequestError("prompt tokenizes to nothing")
+    req = _engine_request(st, body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant)
+    return await _generate(st, body, req, "completions", "text")
+
+
+@router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
+    tokens = st.orch.tokenizer.apply_chat_template([ChatMessage(m.role, m.content) for m in body.messages])
+    req = _engine_request(st, body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant)
+    return await _generate(st, body, req, "chat", "chat")
+
+
+def _engine_request(
+    st: RouterState, body: _Common, tokens: list[int], rid: str, default_max: int, tenant: str | None
+) -> EngineRequest:
+    """The EngineRequest for a body (ranges are checked by the orchestrator's admission)."""
+    if body.model != st.served_model:
+        raise NotFoundError("model %r is not served here (serving %r)" % (body.model, st.served_model))
+    cfg, tok = st.orch.cfg, st.orch.tokenizer
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max, cfg.max_model_len - len(tokens)))
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        stop_token_ids=() if body.ignore_eos else tok.stop_token_ids,  # end-of-turn ids are EOS too
+        ignore_eos=body.ignore_eos,
+    )
+    return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt))
+
+
+async def _generate(st: RouterState, body: _Common, req: EngineRequest, api: str, kind: str) -> Response:
+    """Run ``req``: an SSE stream, or one JSON body once it finished."""
+    created = int(time.time())
+    oid = ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id
+    events = st.orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list())
+    if body.stream:
+        first = await anext(events)  # errors before the first token become a proper HTTP status
+        return StreamingResponse(_sse(first, events, oid, created, body, kind), media_type="text/event-stream")
+    ids: list[int] = []
+    text = []
+    last: Event | None = None
+    async for ev in events:
+        ids.extend(ev.token_ids)
+        text.append(ev.text)
+        last = ev
+    assert last is not None and last.usage is not None
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": "".join(text)}
+    else:
+        choice["text"] = "".join(text)
+    if body.return_token_ids:
+        choice["token_ids"] = ids
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    data = {"id": oid, "object": obj, "created": created, "model": body.model, "choices": [choice]}
+    return JSONResponse(data | {"usage": _usage(last)})
+
+
+# -- the rest ---------------------------------------------------------------------------
+@router.get("/v1/models", responses=AUTH_RESPONSES)
+async def models(st: State) -> dict:
+    card = {
+        "id": st.served_model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "hybridpd",
+        "max_model_len": st.orch.cfg.max_model_len,
+    }
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/health")
+async def health() -> dict:
+    return {"status": "ok"}
+
+
+@router.get("/metrics")
+async def metrics(st: State) -> Response:
+    return Response(generate_latest(st.orch.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.post("/v1/hybridpd/faults", responses=ERROR_RESPONSES)
+async def faults(body: dict[str, str], st: State) -> dict:
+    """Test hook: {"corrupt_next_handoff": "prefill-0"} or {"delay_next_handoff_read": "decode-0"}.
+    404 unless fault_injection is on."""
+    orch = st.orch
+    if not orch.cfg.fault_injection:
+        raise NotFoundError("fault injection is disabled")
+    for kind, instance in body.items():
+        if kind not in FAULT_KINDS:
+            raise InvalidRequestError("unknown fault %r (known: %s)" % (kind, ", ".join(FAULT_KINDS)))
+        actors = orch.prefill if FAULT_KINDS[kind] == "prefill" else orch.decode_by_name
+        if instance not in actors:
+            raise InvalidRequestError("no %s instance %r" % (FAULT_KINDS[kind], instance))
+        await actors[instance].inject_fault.remote(kind)
+    return {"ok": True}
+
+
+@router.get("/v1/hybridpd/stats", responses=AUTH_RESPONSES)
+async def actor_stats(st: State) -> dict:
+    return await st.stats()
 
 
 def _usage(ev: Event) -> dict:

@@ -1,0 +1,245 @@
+"""Dispatch: where a request runs, and the calls to the actors that run it.
+
+    route    tokens -> hash chain -> ONE index lookup (+ RecentPrefills)
+             -> routing.choose (cost = tokens to compute + store loads + queued work)
+    prefill  the routed prefill actor; a dead or unavailable one: once more on
+             the next instance by name (recomputing whatever it lacks)
+    decode   a Ray streaming generator on the next decode actor (round robin);
+             a handoff that fails before any chunk: prefill once more (elsewhere
+             when possible) and go on only if it produced the same tokens
+
+Engine-agnostic: a :class:`PrefillResult` carries the tokens sampled at prefill
+(possibly none) and an opaque ticket only the decode engine reads. Every actor
+await runs within the request's :class:`Deadline`. A :class:`Flight` records
+which actors hold the request's work, so that an unfinished request can be
+aborted on all of them. Index failures degrade routing to load-only; they
+never fail a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayActorError
+
+from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import EngineRequest
+from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
+from hybridpd.hashing import BlockHash, BlockHasher
+from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.transfer.nixl_handoff import HandoffError
+from services.router.admission import Deadline
+from services.router.metrics import RouterMetrics
+from services.router.routing import RecentPrefills, RouteDecision, choose, dispatch_work
+from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
+
+logger = logging.getLogger(__name__)
+
+#: chunks a decode stream may run ahead of this router; past that the decode
+#: actor waits and merges what the engine produced meanwhile into one chunk
+STREAM_AHEAD = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    decision: RouteDecision
+    #: the prompt's chain hashes (None when caching or the index is off)
+    hashes: list[BlockHash] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Hits:
+    hashes: list[BlockHash] | None
+    local: dict[str, int]
+    store: int
+    index_ok: bool
+
+
+@dataclass(slots=True)
+class Flight:
+    """The actors that hold a request's work now: what an abort must reach.
+    An actor is held from the call that sends it work; a call that fails drops
+    it again (the actor is gone, or it ended the request itself)."""
+
+    request_id: str
+    actors: list[Any] = field(default_factory=list)
+
+    def hold(self, actor: Any) -> None:
+        if all(a is not actor for a in self.actors):
+            self.actors.append(actor)
+
+    def drop(self, actor: Any) -> None:
+        self.actors = [a for a in self.actors if a is not actor]
+
+    def abort(self) -> None:
+        """Ask every holder to free the request (fire and forget)."""
+        for actor in self.actors:
+            actor.abort.remote(self.request_id)
+
+
+class Dispatcher:
+    """Routing state and actor calls of one router (event-loop confined).
+
+    ``prefill`` (name -> actor handle) and ``decode`` are the caller's
+    collections, shared, not copied."""
+
+    def __init__(
+        self,
+        cfg: HybridPDConfig,
+        index: PrefixIndex | None,
+        prefill: dict[str, Any],
+        decode: list[Any],
+        metrics: RouterMetrics,
+    ) -> None:
+        self.cfg = cfg
+        self.index = index
+        self.prefill_actors = prefill
+        self.decode_actors = decode
+        self.metrics = metrics
+        self.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        #: per instance, the work (routing.dispatch_work) of our prefills in flight there
+        self.queued: dict[str, float] = dict.fromkeys(prefill, 0.0)
+        #: checkpoints our finished prefills left, until the index reports them (a hint)
+        self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
+        self._rr_decode = itertools.count()
+        self._rr_prefill = itertools.count()
+
+    # -- route --------------------------------------------------------------------------
+    async def route(self, req: EngineRequest, force: str | None = None) -> Route:
+        """The prefill instance for ``req`` (``force``: that one, NotFoundError if unknown)."""
+        names = sorted(self.prefill_actors)
+        if force is not None and force not in self.prefill_actors:
+            raise NotFoundError("no prefill instance %r (have %s)" % (force, ", ".join(names)))
+        if self.cfg.routing == "round_robin" and force is None:
+            name = names[next(self._rr_prefill) % len(names)]
+            return Route(RouteDecision(name, 0, 0, 0, "round_robin"), None)
+        hits = await self._lookup(req)
+        if force is not None:
+            lh = hits.local.get(force, 0)
+            return Route(RouteDecision(force, max(lh, hits.store), hits.store, lh, "forced"), hits.hashes)
+        n = len(req.prompt_token_ids)
+        return Route(choose(n, names, hits.local, hits.store, self.queued, hits.index_ok), hits.hashes)
+
+    async def _lookup(self, req: EngineRequest) -> _Hits:
+        """Hash the prompt and look it up: local hits (raised by RecentPrefills) and the store hit."""
+        if self.index is None or not self.cfg.enable_prefix_caching:
+            return _Hits(None, {}, 0, self.index is not None)
+        n = len(req.prompt_token_ids)
+        # NOTE: off the event loop: a 164K-token chain is ~1 ms of C without the GIL
+        hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
+        t0 = time.perf_counter()
+        try:
+            res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
+            self.metrics.live_prefill.set(len(res.instance_hits))
+            return _Hits(hashes, self.recent.merge(hashes, n, res.instance_hits), res.store_hit, True)
+        except UnavailableError as exc:
+            logger.warning("prefix index unavailable, routing on load only: %s", exc)
+            return _Hits(hashes, {}, 0, False)
+        finally:
+            self.metrics.index_lookup.observe(time.perf_counter() - t0)
+
+    # -- prefill ------------------------------------------------------------------------
+    async def prefill(
+        self,
+        req: EngineRequest,
+        decision: RouteDecision,
+        flight: Flight,
+        deadline: Deadline,
+        hashes: list[BlockHash] | None = None,
+    ) -> PrefillResult:
+        """Prefill on ``decision.instance``; on a dead or unavailable actor, once more
+        on the next instance by name. UnavailableError when no attempt succeeded."""
+        names = [decision.instance] + [x for x in sorted(self.prefill_actors) if x != decision.instance]
+        for attempt, name in enumerate(names[:2]):
+            try:
+                return await self._prefill_on(name, req, decision if attempt == 0 else None, flight, deadline, hashes)
+            except (RayActorError, UnavailableError) as exc:
+                self.recent.forget_instance(name)  # restarted or failing: its cache is not to be counted on
+                if attempt == 1 or len(names) < 2:
+                    raise UnavailableError("prefill of %s failed: %s" % (req.request_id, describe(exc))) from None
+                logger.warning("prefill of %s on %s failed (%s): retrying on %s", req.request_id, name, exc, names[1])
+                self.metrics.retries.labels("prefill").inc()
+        raise UnavailableError("no prefill instance")  # unreachable
+
+    async def _prefill_on(
+        self,
+        name: str,
+        req: EngineRequest,
+        decision: RouteDecision | None,
+        flight: Flight,
+        deadline: Deadline,
+        hashes: list[BlockHash] | None,
+    ) -> PrefillResult:
+        """One prefill call; ``decision`` None for a retry (recompute everything)."""
+        n = len(req.prompt_token_ids)
+        actor = self.prefill_actors[name]
+        # the store hit is loaded only when it beats the routed instance's local one
+        store_hit = decision.store_hit if decision is not None and decision.store_hit > decision.local_hit else 0
+        work = dispatch_work(n, decision) if decision is not None else float(n)
+        flight.hold(actor)
+        self.queued[name] += work
+        try:
+            pr: PrefillResult = await deadline.within(actor.prefill.remote(PrefillCommand(req, store_hit)))
+        except (RayActorError, UnavailableError):
+            flight.drop(actor)
+            raise
+        finally:
+            self.queued[name] -= work
+        if hashes:
+            self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens)
+        return pr
+
+    # -- decode -------------------------------------------------------------------------
+    async def decode(
+        self, pr: PrefillResult, req: EngineRequest, flight: Flight, deadline: Deadline
+    ) -> AsyncGenerator[TokenChunk, None]:
+        """Decode chunks of ``req`` continued from ``pr`` (which has a handoff), until
+        the stream ends. A handoff that fails (IntegrityError, HandoffError, a dead
+        actor) before the first chunk is prefilled and decoded once more; later, or
+        a second time, the request fails with UnavailableError."""
+        for attempt in range(2):
+            actor = self.decode_actors[next(self._rr_decode) % len(self.decode_actors)]
+            flight.hold(actor)
+            gen = actor.generate.options(
+                num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD
+            ).remote(pr, req)
+            started = False
+            try:
+                while (chunk := await deadline.within(_next_chunk(gen))) is not None:
+                    started = True
+                    yield chunk
+                return
+            except (IntegrityError, HandoffError, RayActorError) as exc:
+                flight.drop(actor)
+                if started or attempt == 1:
+                    raise UnavailableError("decode of %s failed: %s" % (req.request_id, describe(exc))) from None
+                logger.warning("handoff of %s failed (%s): prefilling again", req.request_id, exc)
+                self.metrics.retries.labels("handoff").inc()
+                pr = await self._prefill_again(pr, req, flight, deadline)
+
+    async def _prefill_again(
+        self, pr: PrefillResult, req: EngineRequest, flight: Flight, deadline: Deadline
+    ) -> PrefillResult:
+        """Prefill ``req`` again, on another instance than ``pr``'s when there is one.
+        Its tokens were already sent: the new result must have the same, and a handoff."""
+        others = [x for x in sorted(self.prefill_actors) if x != pr.instance] or [pr.instance]
+        pr2 = await self.prefill(req, RouteDecision(others[0], 0, 0, 0, "retry"), flight, deadline)
+        if pr2.token_ids != pr.token_ids or not pr2.has_handoff:
+            raise UnavailableError("re-prefill of %s diverged from the token already sent" % req.request_id) from None
+        return pr2
+
+
+async def _next_chunk(gen: Any) -> TokenChunk | None:
+    """The next chunk of a Ray streaming generator (its next ref, then the object), None at its end."""
+    try:
+        ref = await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+    chunk: TokenChunk = await ref
+    return chunk

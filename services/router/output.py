@@ -1,0 +1,91 @@
+"""Output processing for one request: token ids in, :class:`Event`s out.
+
+    token ids (the prefill's, possibly none; then each decode chunk)
+      -> IncrementalDetokenizer.push           text delta (a split character held back)
+      -> StopWindow.find on the tail it touched the earliest stop string, if any
+      -> Event                                 the delta, cut before a stop string;
+                                               usage on the last one
+
+Tensor-free and actor-free: unit-tested on token ids alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """What both APIs send for one step of a request: the new tokens and their
+    text; the last event has ``finished``, a ``finish_reason`` and ``usage``."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class StopWindow:
+    """The earliest stop string in a text that only grows at its end, found by
+    searching only the tail an append can have completed.
+
+    Contract: call :meth:`find` after every append, passing the length the text
+    had before it, and stop at the first hit. Then no earlier call found a stop
+    string, so one present now ends in the appended part and starts at most
+    ``max(len(s)) - 1`` characters before it: the answer equals searching the
+    whole text (what ``str.find`` over it would give, earliest of all stop
+    strings), in time proportional to the append plus that reach, not to the text.
+    """
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self.reach = max((len(s) for s in self.stop), default=1) - 1
+
+    def find(self, text: str, appended_at: int) -> int | None:
+        """Index in ``text`` where the earliest stop string starts, or None;
+        ``text[:appended_at]`` was searched by the previous calls."""
+        lo = max(appended_at - self.reach, 0)
+        hits = [i for i in (text.find(s, lo) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+
+class OutputProcessor:
+    """One request's output. Feed :meth:`push` the prefill's tokens, then every
+    decode chunk, until it returns a finished Event; not reusable."""
+
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str], prompt_tokens: int, cached_tokens: int) -> None:
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stop = StopWindow(stop)
+        self.prompt_tokens = prompt_tokens
+        self.cached_tokens = cached_tokens
+        #: output tokens received so far (all of a chunk count, even past a stop string)
+        self.count = 0
+
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.cached_tokens, self.count)
+
+    def push(self, token_ids: tuple[int, ...], done: bool, finish_reason: str | None) -> Event:
+        """The Event for ``token_ids``: finished with reason "stop" (its text cut
+        before the stop string) when they completed one; else finished with
+        ``finish_reason`` when ``done`` (the engine ended the request); else a delta."""
+        before = len(self.detok.emitted)
+        delta = self.detok.push(token_ids)
+        self.count += len(token_ids)
+        at = self.stop.find(self.detok.emitted, before)
+        if at is not None:
+            start = len(self.detok.emitted) - len(delta)  # where ``delta`` starts in the full text
+            return Event(token_ids, delta[: max(at - start, 0)], True, "stop", self.usage())
+        if done:
+            return Event(token_ids, delta, True, finish_reason, self.usage())
+        return Event(token_ids, delta)
