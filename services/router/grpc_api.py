@@ -51,7 +51,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             tokens = tok.apply_chat_template([ChatMessage(m.role, m.content) for m in msg.chat.messages])
         else:
             raise InvalidRequestError("one of text, token_ids or chat is required")
-        s = msg.sampling  # ranges are checked with the HTTP API's in Orchestrator.validate
+        s = msg.sampling  # ranges: checked on admission (hybridpd/validation.py), as for HTTP
         sp = SamplingParams(
             max_tokens=s.max_tokens or 16,
             temperature=s.temperature,

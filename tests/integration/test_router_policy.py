@@ -22,6 +22,7 @@ import pytest
 from hybridpd.checkpoints import checkpoint_position, longest_usable_hit, planned_checkpoint
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from services.router.metrics import RouterMetrics
@@ -78,7 +79,7 @@ class FakePrefill:
         sts = [hashes[cp // u - 1]] if cp else []
         self.st.update(sts)
         self.world.publish(self, hashes, sts)
-        return PrefillResult(RequestId(req.request_id), self.name, 7, "length", n, hit, 0)
+        return PrefillResult(RequestId(req.request_id), self.name, (7,), "length", n, hit, 0)
 
 
 class World:
@@ -114,16 +115,13 @@ def _setup(url: str, lag: int, routers: int = 1) -> tuple[list[Orchestrator], Wo
     world = World(index, lag)
     for name in NAMES:
         index.heartbeat(name, InstanceLoad())
-    orchs = []
-    for _ in range(routers):
-        fakes: dict[str, Any] = {}
-        orch = Orchestrator(cfg, _Tokenizer(), "m", index, fakes, [], RouterMetrics())  # type: ignore[arg-type]
-        orchs.append(orch)
-    world.hasher = orchs[0].hasher
-    shared = {name: FakePrefill(name, index, cfg, world) for name in NAMES}
-    for orch in orchs:
-        orch.prefill.update(shared)
-        orch.queued = dict.fromkeys(shared, 0.0)
+    world.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+    shared: dict[str, Any] = {name: FakePrefill(name, index, cfg, world) for name in NAMES}
+    orchs = [
+        Orchestrator(cfg, _Tokenizer(), "m", index, shared, [], RouterMetrics())  # type: ignore[arg-type]
+        for _ in range(routers)
+    ]
+    assert orchs[0].dispatch.hasher == world.hasher  # the fakes hash as the router does
     return orchs, world
 
 
