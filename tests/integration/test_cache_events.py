@@ -1,0 +1,124 @@
+"""One cache-event stream into the index (issue #15): a prefill worker mirrors
+its engine's stored / removed / cleared events into a real Redis, in order;
+evicted prefixes stop being claimed; an outage is replayed; a restarted
+worker clears what its predecessor published. The engine is the toy engine
+(tests/unit/toy_engine.py); ``test_native_eviction_*`` runs the native one."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from hybridpd.config import load_config
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.redis_server import RedisServer
+from services.prefill.actor import PrefillWorker
+from services.router.routing import choose
+from services.worker.messages import PrefillCommand
+from tests.unit.toy_engine import ToyEngine
+
+NAME = "prefill-0"
+
+
+def _req(rid: str, seed: int, n: int = 40) -> EngineRequest:
+    prompt = tuple((seed * 7919 + i * 104729) % 997 + 1 for i in range(n))
+    return EngineRequest(RequestId(rid), prompt, SamplingParams(max_tokens=4))
+
+
+def _claimed(index: PrefixIndex, eng: ToyEngine, req: EngineRequest) -> int:
+    """The local hit the index promises NAME for ``req`` (what the router sees)."""
+    index.heartbeat(NAME, InstanceLoad())
+    chain = eng.hasher.chain(req.prompt_token_ids)
+    return index.lookup(chain, len(req.prompt_token_ids), eng.unit, False).instance_hits.get(NAME, 0)
+
+
+def test_the_index_follows_stores_and_evictions(redis_server: RedisServer) -> None:
+    eng = ToyEngine(capacity=4)  # two 40-token prompts (2 full blocks each) fit
+    index = PrefixIndex(redis_server.url, eng.model_id)
+    index.publish_local(NAME, [b"\x01" * 32], [])  # a predecessor's entry: must go at start
+    w = PrefillWorker(load_config(env={}), NAME, redis_server.url, None, None, engine=eng)
+    try:
+        a, b, c = _req("a", 1), _req("b", 2), _req("c", 3)
+        w.prefill(PrefillCommand(a))
+        kv, _ = index.local_entries(NAME)
+        assert kv == set(eng.cache), "the prefill returned before its blocks were in the index"
+        assert _claimed(index, eng, a) == 32
+        w.prefill(PrefillCommand(b))
+        w.prefill(PrefillCommand(c))  # evicts a's blocks
+        assert eng.local_hit(a.prompt_token_ids) == 0
+        kv, _ = index.local_entries(NAME)
+        assert kv == set(eng.cache)
+        assert _claimed(index, eng, a) == 0 and _claimed(index, eng, c) == 32
+        # routed by what is really cached: a is a miss everywhere, c a local hit here
+        loads = {NAME: 0.0, "prefill-1": 0.0}
+        hits_a = {NAME: _claimed(index, eng, a)}
+        assert choose(len(a.prompt_token_ids), sorted(loads), hits_a, 0, loads).kind == "miss"
+        hits_c = {NAME: _claimed(index, eng, c)}
+        decision = choose(len(c.prompt_token_ids), sorted(loads), hits_c, 0, loads)
+        assert (decision.instance, decision.kind) == (NAME, "local_hit")
+        assert w.stats()["cache_events_published"] > 0
+    finally:
+        w.close()
+        index.clear_local(NAME)
+
+
+def test_events_of_an_outage_are_replayed_in_order(tmp_path: Path) -> None:
+    srv = RedisServer(tmp_path)
+    srv.start()
+    eng = ToyEngine(capacity=4)
+    w = PrefillWorker(load_config(env={}), NAME, srv.url, None, None, engine=eng)
+    index = PrefixIndex(srv.url, eng.model_id)
+    try:
+        w.prefill(PrefillCommand(_req("a", 1)))
+        srv.stop()
+        t0 = time.monotonic()
+        for i, seed in enumerate((2, 3, 4)):  # stored then evicted while Redis is down
+            w.prefill(PrefillCommand(_req("x%d" % i, seed)))
+        assert time.monotonic() - t0 < 10  # prefills do not wait on a dead index
+        srv.start()  # same port, empty
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                kv, _ = index.local_entries(NAME)
+            except Exception:
+                kv = set()
+            if kv == set(eng.cache):
+                break
+            assert time.monotonic() < deadline, "replay never converged: %d vs %d" % (len(kv), len(eng.cache))
+            time.sleep(0.2)
+    finally:
+        w.close()
+        srv.stop()
+
+
+@pytest.mark.usefixtures("fp32_row_exact")
+def test_native_eviction_is_published_one_step_later(redis_server: RedisServer) -> None:
+    """The stale-index defect: the native engine's pool evicts, and the index must stop
+    claiming the evicted prefix for this instance (it fails if eviction events are dropped)."""
+    from hybridpd.engine.native.engine import NativeEngine
+
+    cfg = load_config(env={}, overrides={"num_kv_blocks": 12, "prefix_match_unit": 16})
+    eng = NativeEngine(cfg, role="prefill", instance=NAME)
+    index = PrefixIndex(redis_server.url, eng.model_id)
+    w = PrefillWorker(cfg, NAME, redis_server.url, None, None, engine=eng)
+    try:
+        reqs = [_req("n%d" % i, 10 + i, n=64) for i in range(4)]  # 4 full blocks each, 12 blocks in all
+        claims = []
+        for r in reqs:
+            w.prefill(PrefillCommand(r))
+            with w.loop.lock:
+                real = [eng.local_hit(q.prompt_token_ids) for q in reqs]
+            index.heartbeat(NAME, InstanceLoad())
+            claimed = [
+                index.lookup(eng.hasher.chain(q.prompt_token_ids), 64, eng.unit, False).instance_hits.get(NAME, 0)
+                for q in reqs
+            ]
+            assert claimed == real, (claimed, real)
+            claims.append(claimed)
+        assert claims[0][0] > 0 and claims[-1][0] == 0, claims  # the first prompt was cached, then evicted
+    finally:
+        w.close()
+        index.clear_local(NAME)

@@ -1,0 +1,207 @@
+"""The service layer without Ray: ``EngineLoop``, ``PrefillWorker`` and
+``DecodeWorker`` driven in-process over a toy engine that satisfies the engine
+boundary (``tests/unit/toy_engine.py``); typed counters."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from hybridpd.config import HybridPDConfig, load_config
+from hybridpd.engine.base import Engine, EngineRequest, FinishReason, RequestId, SamplingParams
+from hybridpd.errors import IntegrityError, UnavailableError
+from services.decode.actor import DecodeWorker
+from services.prefill.actor import PrefillWorker
+from services.worker.engine_loop import EngineLoop
+from services.worker.messages import PrefillCommand
+from services.worker.metrics import DecodeCounters, PrefillCounters
+from tests.unit.toy_engine import ToyEngine, next_token
+
+
+def _req(rid: str, n: int = 40, max_tokens: int = 6, seed: int = 1) -> EngineRequest:
+    prompt = tuple((seed * 97 + i * 13) % 900 + 1 for i in range(n))
+    return EngineRequest(RequestId(rid), prompt, SamplingParams(max_tokens=max_tokens))
+
+
+def _expected(req: EngineRequest) -> list[int]:
+    toks = list(req.prompt_token_ids)
+    for _ in range(req.sampling.max_tokens):
+        toks.append(next_token(toks))
+    return toks[len(req.prompt_token_ids) :]
+
+
+def _cfg(**kw: object) -> HybridPDConfig:
+    return load_config(env={}, overrides=kw)
+
+
+@pytest.fixture
+def workers() -> Iterator[tuple[PrefillWorker, DecodeWorker, ToyEngine, ToyEngine]]:
+    pe, de = ToyEngine(), ToyEngine()
+    cfg = _cfg(fault_injection=True)
+    p = PrefillWorker(cfg, "prefill-0", None, None, None, engine=pe)
+    d = DecodeWorker(cfg, "decode-0", engine=de)
+    yield p, d, pe, de
+    p.close()
+    d.close()
+
+
+def test_the_toy_engine_satisfies_the_engine_boundary() -> None:
+    assert isinstance(ToyEngine(), Engine)
+
+
+# -- EngineLoop ------------------------------------------------------------------------------
+def test_engine_loop_delivers_outputs_in_order_and_sleeps_when_idle() -> None:
+    eng = ToyEngine()
+    loop = EngineLoop(eng)
+    try:
+        req = _req("a")
+        q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        got = []
+        while True:
+            out = q.get(timeout=10)
+            assert not isinstance(out, BaseException)
+            got.extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason is FinishReason.LENGTH
+                break
+        assert got == _expected(req)
+        time.sleep(0.2)
+        steps = eng.steps
+        time.sleep(0.5)
+        assert eng.steps == steps  # idle: no step, no spin
+    finally:
+        loop.close()
+
+
+def test_engine_loop_abort_gives_the_reader_a_final_abort_and_frees_the_request() -> None:
+    eng = ToyEngine()
+    loop = EngineLoop(eng)
+    try:
+        req = _req("a", max_tokens=10_000)
+        q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        assert not isinstance(q.get(timeout=10), BaseException)
+        assert loop.abort(req.request_id)
+        while True:
+            out = q.get(timeout=10)
+            assert not isinstance(out, BaseException)
+            if out.finished:
+                assert out.finish_reason is FinishReason.ABORT
+                break
+        with loop.lock:
+            assert not eng.seqs
+    finally:
+        loop.close()
+
+
+def test_a_failing_step_fails_its_requests_not_the_loop() -> None:
+    eng = ToyEngine()
+    loop = EngineLoop(eng)
+    try:
+        with loop.lock:
+            eng.fail_next_step = True
+            req = _req("a")
+            q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        out = q.get(timeout=10)
+        assert isinstance(out, RuntimeError)
+        with loop.lock:
+            assert not eng.seqs  # aborted in the engine
+        req2 = _req("b")
+        q2 = loop.submit(req2.request_id, lambda: eng.add_request(req2))
+        outs = [q2.get(timeout=10) for _ in range(req2.sampling.max_tokens)]
+        assert [t for o in outs if not isinstance(o, BaseException) for t in o.new_token_ids] == _expected(req2)
+    finally:
+        loop.close()
+
+
+# -- prefill and decode workers ------------------------------------------------------------------
+def test_prefill_then_decode_equals_a_local_run(workers) -> None:  # type: ignore[no-untyped-def]
+    p, d, _, de = workers
+    req = _req("r1", max_tokens=7)
+    pr = p.prefill(PrefillCommand(req))
+    assert pr.has_handoff and pr.finish_reason is None and len(pr.token_ids) == 1
+    chunks = list(d.generate(pr, req))
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert [*pr.token_ids, *(t for c in chunks for t in c.token_ids)] == _expected(req)
+    ps, ds = p.stats(), d.stats()
+    assert ps["prefill_computed_tokens"] == 40 and ps["handoff_offered_bytes"] == pr.ticket.nbytes > 0
+    assert ds["decode_handoffs"] == 1 and ds["decode_tokens"] == 6 and ds["nixl_read_bytes"] == pr.ticket.nbytes
+    assert not de.seqs
+
+
+def test_a_request_finished_at_prefill_has_no_ticket(workers) -> None:  # type: ignore[no-untyped-def]
+    p, _, _, _ = workers
+    req = _req("r1", max_tokens=1)
+    pr = p.prefill(PrefillCommand(req))
+    assert pr.ticket is None and pr.finish_reason == "length" and pr.token_ids == tuple(_expected(req))
+
+
+def test_a_second_prefill_of_the_prompt_reports_the_cached_tokens(workers) -> None:  # type: ignore[no-untyped-def]
+    p, _, _, _ = workers
+    p.prefill(PrefillCommand(_req("a", n=40)))
+    pr = p.prefill(PrefillCommand(_req("b", n=40)))
+    assert pr.num_cached_tokens == 32 and p.stats()["prefill_loaded_tokens"] == 32
+
+
+def test_a_corrupt_handoff_fails_its_checksum_and_is_counted(workers) -> None:  # type: ignore[no-untyped-def]
+    p, d, _, de = workers
+    p.inject_fault("corrupt_next_handoff")
+    req = _req("r1")
+    pr = p.prefill(PrefillCommand(req))
+    with pytest.raises(IntegrityError):
+        list(d.generate(pr, req))
+    assert d.stats()["checksum_failures"] == 1 and not de.seqs
+
+
+def test_fault_injection_needs_the_config_switch() -> None:
+    p = PrefillWorker(_cfg(), "prefill-0", None, None, None, engine=ToyEngine())
+    try:
+        with pytest.raises(PermissionError):
+            p.inject_fault("corrupt_next_handoff")
+    finally:
+        p.close()
+
+
+def test_a_consumer_going_away_aborts_the_decode(workers) -> None:  # type: ignore[no-untyped-def]
+    p, d, _, de = workers
+    req = _req("r1", max_tokens=100_000)
+    pr = p.prefill(PrefillCommand(req))
+    gen = d.generate(pr, req)
+    first = next(gen)
+    assert first.token_ids and not first.finished
+    gen.close()  # what Ray does when the router drops the stream
+    with d.loop.lock:
+        assert not de.seqs
+
+
+def test_a_prefill_without_token_or_ticket_is_an_error() -> None:
+    class NoTicket(ToyEngine):
+        def pop_handoff(self, request_id: str) -> None:
+            return None
+
+        def step(self):  # type: ignore[no-untyped-def]
+            outs = super().step()
+            return [type(o)(o.request_id, (), o.finished, o.finish_reason, o.num_prompt_tokens) for o in outs]
+
+    p = PrefillWorker(_cfg(), "prefill-0", None, None, None, engine=NoTicket())
+    try:
+        with pytest.raises(UnavailableError, match="neither a token nor a handoff"):
+            p.prefill(PrefillCommand(_req("r1")))
+    finally:
+        p.close()
+
+
+def test_close_closes_the_engine(workers) -> None:  # type: ignore[no-untyped-def]
+    p, d, pe, de = workers
+    p.close()
+    d.close()
+    assert pe.closed and de.closed
+
+
+# -- typed counters --------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", [PrefillCounters, DecodeCounters])
+def test_an_unknown_counter_name_is_an_error(cls: type) -> None:
+    c = cls()
+    with pytest.raises(AttributeError):
+        c.handoffs += 1
