@@ -26,7 +26,7 @@ from dataclasses import asdict
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine, FinishReason, HandoffStats
 from hybridpd.engine.factory import make_engine
-from hybridpd.errors import UnavailableError
+from hybridpd.errors import IntegrityError, UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
@@ -197,10 +197,15 @@ class PrefillWorker(WorkerBase):
             return 0
         with self.stats_lock:
             self.counters.store_get_bytes += sum(b.numel() * b.element_size() for b in ck[0].buffers + ck[1].buffers)
-        with self.loop.lock:
-            ok = self.engine.import_checkpoint(ck[0], ck[1], tokens, req.cache_salt)
+        try:
+            with self.loop.lock:
+                ok = self.engine.import_checkpoint(ck[0], ck[1], tokens, req.cache_salt)
+        except IntegrityError as exc:  # verified by the store, refused by the engine: recompute
+            logger.warning("checkpoint refused by the engine (%s): recomputing", exc)
+            ok = False
         with self.stats_lock:
             self.counters.prefill_store_loads += int(ok)
+            self.counters.prefill_store_load_failures += int(not ok)
         return cmd.store_hit if ok else 0
 
     def abort(self, request_id: str) -> bool:
