@@ -1,30 +1,20 @@
-"""The router's request flow (``Orchestrator.stream``) in front of fake actor handles.
-
-The fakes mimic Ray's calling convention only: ``actor.method.remote(*args)``
-returns an awaitable, and decode's ``generate.options(num_returns="streaming",
-...).remote(pr, req)`` an async iterator of awaitables (a failed chunk is an
-awaitable that raises, like an ObjectRef of a failed generator step). They
-replay one fixed token script through the repo's real tokenizer, so texts and
-token ids are exact. This is a test double for unit tests: the e2e tier runs
-the real stack.
-"""
+"""The router's request flow (``Orchestrator.stream``) in front of fake actor
+handles (``tests/unit/fake_actors.py``: Ray's calling convention, one token
+script through the real tokenizer, so texts and token ids are exact). A test
+double for unit tests: the e2e tier runs the real stack."""
 
 from __future__ import annotations
 
 import asyncio
-import inspect
-import itertools
-import random
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 from ray.exceptions import RayActorError
 
-import hybridpd
 from hybridpd.config import HybridPDConfig, load_config
-from hybridpd.engine.base import EngineRequest, HandoffTicket, RequestId, SamplingParams
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import (
     DeadlineError,
     IntegrityError,
@@ -33,138 +23,15 @@ from hybridpd.errors import (
     OverloadedError,
     UnavailableError,
 )
-from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 from hybridpd.transfer.nixl_handoff import HandoffError
 from hybridpd.validation import validate_request
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
-from services.router.output import Event, OutputProcessor, StopWindow, Usage
-from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
+from services.router.output import Event, Usage
+from services.worker.messages import PrefillCommand
+from tests.unit.fake_actors import CACHED, PROMPT, SCRIPT, TOK, FakeDecode, FakePrefill
 
 pytestmark = pytest.mark.unit
-
-TOK = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
-TEXT = " Hello world, the STOP here. héllo 日本 and more text, to the end."
-#: 36 ids: 0 ' H', 1 'e', 2 'll', 3 'o', ..., 8 ' the', 9 ' S', 10 'T', 11 'O', 12 'P', 13 ' he',
-#: 16 ' h', 17-18 'é' (two bytes), 21 ' ', 22-24 '日', 25-27 '本', 28 ' and', ...
-SCRIPT = tuple(TOK.encode(TEXT))
-PROMPT = (5, 6, 7)
-CACHED = 2
-
-
-# -- fake actor handles ---------------------------------------------------------------------
-def _done(value: Any) -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_result(value)
-    return fut
-
-
-def _failed(exc: BaseException) -> asyncio.Future:
-    fut = asyncio.get_running_loop().create_future()
-    fut.set_exception(exc)
-    return fut
-
-
-class Method:
-    """``actor.method``: ``remote`` records its arguments and returns an awaitable."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        self.fn = fn
-        self.calls: list[tuple[Any, ...]] = []
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-        res = self.fn(*args)
-        return asyncio.ensure_future(res) if inspect.isawaitable(res) else _done(res)
-
-
-class StreamingMethod(Method):
-    """A generator method: ``options(...)`` then ``remote`` gives an async iterator of awaitables."""
-
-    def __init__(self, fn: Callable[..., AsyncIterator[Any]]) -> None:
-        super().__init__(fn)
-        self.options_seen: list[dict[str, Any]] = []
-
-    def options(self, **kw: Any) -> StreamingMethod:
-        self.options_seen.append(kw)
-        return self
-
-    def remote(self, *args: Any) -> Any:
-        self.calls.append(args)
-        return self.fn(*args)
-
-
-class FakePrefill:
-    """Samples ``produce`` tokens of ``tokens`` at prefill (1: native engine, 0: vLLM) and
-    leaves a handoff ticket unless the request is complete (or ``ticket`` is False)."""
-
-    def __init__(
-        self,
-        name: str,
-        *,
-        produce: int = 1,
-        tokens: Sequence[int] = SCRIPT,
-        fail: BaseException | None = None,
-        delay: float = 0.0,
-        gate: asyncio.Event | None = None,
-        ticket: bool = True,
-    ) -> None:
-        self.name, self.produce, self.tokens, self.fail = name, produce, tuple(tokens), fail
-        self.delay, self.gate, self.ticket = delay, gate, ticket
-        self.prefill = Method(self._prefill)
-        self.abort = Method(lambda rid: False)
-
-    async def _prefill(self, cmd: PrefillCommand) -> PrefillResult:
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.delay:
-            await asyncio.sleep(self.delay)
-        if self.fail is not None:
-            raise self.fail
-        req = cmd.request
-        out = self.tokens[: self.produce]
-        n = len(req.prompt_token_ids)
-        if len(out) >= req.sampling.max_tokens:
-            return PrefillResult(req.request_id, self.name, out, "length", n, CACHED, 0)
-        ticket = HandoffTicket(req.request_id) if self.ticket else None
-        return PrefillResult(req.request_id, self.name, out, None, n, CACHED, 0, ticket)
-
-
-class FakeDecode:
-    """Continues SCRIPT after the prefill's tokens in chunks of ``sizes`` (cycled) up
-    to max_tokens. ``fail_first``: the next stream fails at once (one shot, a failed
-    handoff); ``fail_after``/``stall_after``: fail / stall after that many chunks."""
-
-    def __init__(
-        self,
-        sizes: Sequence[int] = (2, 3),
-        *,
-        fail_first: BaseException | None = None,
-        fail_after: tuple[int, BaseException] | None = None,
-        stall_after: int | None = None,
-    ) -> None:
-        self.sizes, self.fail_first, self.fail_after, self.stall_after = sizes, fail_first, fail_after, stall_after
-        self.generate = StreamingMethod(self._stream)
-        self.abort = Method(lambda rid: False)
-
-    async def _stream(self, pr: PrefillResult, req: EngineRequest) -> AsyncIterator[asyncio.Future]:
-        if self.fail_first is not None:
-            exc, self.fail_first = self.fail_first, None
-            yield _failed(exc)
-            return
-        pos, end, sizes = len(pr.token_ids), req.sampling.max_tokens, itertools.cycle(self.sizes)
-        for sent in itertools.count():
-            if self.fail_after is not None and sent == self.fail_after[0]:
-                yield _failed(self.fail_after[1])
-                return
-            if self.stall_after is not None and sent == self.stall_after:
-                await asyncio.sleep(60)
-            k = min(next(sizes), end - pos)
-            pos += k
-            last = pos >= end
-            yield _done(TokenChunk(SCRIPT[pos - k : pos], last, "length" if last else None))
-            if last:
-                return
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -483,53 +350,6 @@ def test_stop_string_in_multibyte_characters() -> None:
     assert "".join(ev.text for ev in evs) == " Hello world, the STOP here. héllo 日"
     assert [ev.text for ev in evs[-6:]] == ["", "", "日", "", "", ""]  # partial characters held back
     assert (evs[-1].finish_reason, evs[-1].usage) == ("stop", Usage(3, CACHED, 28))
-
-
-def _whole_text_reference(chunks: list[tuple[int, ...]], stop: tuple[str, ...]) -> list[tuple[str, bool, int]]:
-    """The previous router's algorithm: search the WHOLE text after every chunk."""
-    detok, out, count = IncrementalDetokenizer(TOK), [], 0
-    for i, chunk in enumerate(chunks):
-        delta = detok.push(chunk)
-        count += len(chunk)
-        hits = [j for j in (detok.emitted.find(s) for s in stop if s) if j >= 0]
-        if hits:
-            before = len(detok.emitted) - len(delta)
-            out.append((delta[: max(min(hits) - before, 0)], True, count))
-            return out
-        out.append((delta, i == len(chunks) - 1, count))
-    return out
-
-
-def test_stop_window_equals_searching_the_whole_text() -> None:
-    rng = random.Random(15)
-    for _ in range(400):
-        cut, chunks = 0, []
-        while cut < len(SCRIPT):
-            k = rng.choice((1, 1, 2, 3, 5))
-            chunks.append(SCRIPT[cut : cut + k])
-            cut += k
-        stop: list[str] = []
-        for _ in range(rng.randint(1, 3)):
-            a = rng.randrange(len(TEXT))
-            stop.append(TEXT[a : a + rng.randint(1, 8)])
-        stop += rng.sample(["", "absent", "日本x", "e"], rng.randint(0, 2))
-        out = OutputProcessor(TOK, stop, 3, 0)
-        got = []
-        for i, chunk in enumerate(chunks):
-            ev = out.push(chunk, i == len(chunks) - 1, "length")
-            got.append((ev.text, ev.finished, out.count))
-            if ev.finished:
-                break
-        assert got == _whole_text_reference(chunks, tuple(stop)), (chunks, stop)
-
-
-def test_stop_window_looks_only_at_the_tail() -> None:
-    w = StopWindow(("STOP", "x"))
-    text = "STOP" + "y" * 1000
-    assert w.find(text, 1004) is None  # before the window: an earlier call searched it
-    assert w.find(text, 3) == 0  # "P" was the append: STOP straddles it
-    assert w.find(text + "x", 1004) == 1004
-    assert StopWindow(("", "")).find("anything", 0) is None
 
 
 # -- deadlines ------------------------------------------------------------------------------

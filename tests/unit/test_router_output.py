@@ -1,0 +1,61 @@
+"""Output processing (services/router/output.py) on token ids alone: the stop
+strings' tail window gives exactly what searching the whole text gave."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hybridpd.tokenizer import IncrementalDetokenizer
+from services.router.output import OutputProcessor, StopWindow
+from tests.unit.fake_actors import SCRIPT, TEXT, TOK
+
+pytestmark = pytest.mark.unit
+
+
+def _whole_text_reference(chunks: list[tuple[int, ...]], stop: tuple[str, ...]) -> list[tuple[str, bool, int]]:
+    """The previous router's algorithm: search the WHOLE text after every chunk."""
+    detok, out, count = IncrementalDetokenizer(TOK), [], 0
+    for i, chunk in enumerate(chunks):
+        delta = detok.push(chunk)
+        count += len(chunk)
+        hits = [j for j in (detok.emitted.find(s) for s in stop if s) if j >= 0]
+        if hits:
+            before = len(detok.emitted) - len(delta)
+            out.append((delta[: max(min(hits) - before, 0)], True, count))
+            return out
+        out.append((delta, i == len(chunks) - 1, count))
+    return out
+
+
+def test_stop_window_equals_searching_the_whole_text() -> None:
+    rng = random.Random(15)
+    for _ in range(400):
+        cut, chunks = 0, []
+        while cut < len(SCRIPT):
+            k = rng.choice((1, 1, 2, 3, 5))
+            chunks.append(SCRIPT[cut : cut + k])
+            cut += k
+        stop: list[str] = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(TEXT))
+            stop.append(TEXT[a : a + rng.randint(1, 8)])
+        stop += rng.sample(["", "absent", "日本x", "e"], rng.randint(0, 2))
+        out = OutputProcessor(TOK, stop, 3, 0)
+        got = []
+        for i, chunk in enumerate(chunks):
+            ev = out.push(chunk, i == len(chunks) - 1, "length")
+            got.append((ev.text, ev.finished, out.count))
+            if ev.finished:
+                break
+        assert got == _whole_text_reference(chunks, tuple(stop)), (chunks, stop)
+
+
+def test_stop_window_looks_only_at_the_tail() -> None:
+    w = StopWindow(("STOP", "x"))
+    text = "STOP" + "y" * 1000
+    assert w.find(text, 1004) is None  # before the window: an earlier call searched it
+    assert w.find(text, 3) == 0  # "P" was the append: STOP straddles it
+    assert w.find(text + "x", 1004) == 1004
+    assert StopWindow(("", "")).find("anything", 0) is None
