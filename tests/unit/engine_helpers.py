@@ -28,7 +28,8 @@ def bundled_model_fixture(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def make_engine(**overrides: Any) -> NativeEngine:
-    extra = {k: overrides.pop(k) for k in ("export_checkpoints", "record_logits", "num_state_slots") if k in overrides}
+    kwargs = ("export_checkpoints", "record_logits", "num_state_slots", "role", "instance")
+    extra = {k: overrides.pop(k) for k in kwargs if k in overrides}
     base: dict[str, Any] = {
         "model": _model[0],
         "num_kv_blocks": 768,
@@ -53,6 +54,7 @@ def assert_no_leaks(engine: NativeEngine) -> None:
     assert st.num_free_blocks == st.num_blocks, st
     assert st.num_free_state_slots == st.num_state_slots, st
     assert st.num_running == 0 and st.num_waiting == 0, st
-    assert not engine.tensors and not engine.seqs
+    assert not engine.runner.tensors and not engine.seqs
+    assert not engine._handoffs  # every handoff was popped
     engine.kv_pool.check_consistent()
     engine.state_pool.check_consistent()

@@ -3,16 +3,21 @@
 Reference = one request alone, one-shot prefill, prefix caching off. Compared
 token for token (greedy) and logits within 1e-4 (fp32): chunked prefill under
 several budgets with all requests batched, a prefix hit at every valid
-checkpoint, export -> import into a fresh engine, prefill -> decode handoff,
-and EAGLE on. Every test runs on both bundled models (``tiny``: trained
-weights, real-text-like logits; ``tiny-random``: seeded random weights).
+checkpoint, export -> import into a fresh engine, prefill -> decode handoff
+(over NIXL), and EAGLE on. Every test runs on both bundled models (``tiny``:
+trained weights, real-text-like logits; ``tiny-random``: seeded random
+weights).
 """
 
 from __future__ import annotations
 
+import pickle
+import time
+
 import pytest
 import torch
 
+from hybridpd.engine.native.handoff import NativeTicket
 from tests.unit.engine_helpers import (
     assert_no_leaks,
     bundled_model_fixture,  # noqa: F401  (autouse: both bundled models)
@@ -109,23 +114,36 @@ def test_export_import_into_fresh_engine(reference, rid: str) -> None:  # type: 
 @pytest.mark.parametrize("rid", ["p1", "p65", "p1301"])
 @pytest.mark.parametrize("eagle", [False, True])
 def test_prefill_decode_handoff(reference, rid: str, eagle: bool) -> None:  # type: ignore[no-untyped-def]
-    prefill = make_engine(eagle=eagle)
-    decode = make_engine(eagle=eagle)
-    r = req(rid, PROMPTS[rid], MAX_TOKENS)
-    prefill.add_request(r, prefill_only=True)
-    first = []
-    while prefill.has_work():
-        first.extend(prefill.step())
-    handoff = prefill.handoffs.pop(rid)
-    decode.add_handoff(handoff)
-    rest = []
-    while decode.has_work():
-        rest.extend(decode.step())
-    tokens = [handoff.first_token_id] + [t for o in rest for t in o.new_token_ids]
-    assert [t for o in first for t in o.new_token_ids] == [handoff.first_token_id]
-    _check(reference, rid, tokens)
-    assert_no_leaks(prefill)
-    assert_no_leaks(decode)
+    """Through the engine boundary, as the workers call it: real NIXL agents
+    (both in this process), the ticket pickled as it is across Ray."""
+    prefill = make_engine(eagle=eagle, role="prefill", instance="prefill-%s" % rid)
+    decode = make_engine(eagle=eagle, role="decode", instance="decode-%s" % rid)
+    try:
+        r = req(rid, PROMPTS[rid], MAX_TOKENS)
+        prefill.add_request(r, prefill_only=True)
+        first = []
+        while prefill.has_work():
+            first.extend(prefill.step())
+        ticket = prefill.pop_handoff(rid)
+        assert isinstance(ticket, NativeTicket) and ticket.nbytes > 0
+        assert prefill.pop_handoff(rid) is None
+        fetched = decode.fetch_handoff(r, pickle.loads(pickle.dumps(ticket)))
+        decode.add_handoff(r, fetched)
+        rest = []
+        while decode.has_work():
+            rest.extend(decode.step())
+        tokens = [ticket.first_token_id] + [t for o in rest for t in o.new_token_ids]
+        assert [t for o in first for t in o.new_token_ids] == [ticket.first_token_id]
+        _check(reference, rid, tokens)
+        assert_no_leaks(prefill)
+        assert_no_leaks(decode)
+        deadline = time.monotonic() + 10
+        while prefill.handoff_stats().outstanding and time.monotonic() < deadline:
+            time.sleep(0.01)  # decode's release notification is asynchronous
+        assert prefill.handoff_stats().outstanding == 0
+    finally:
+        prefill.close()
+        decode.close()
 
 
 def test_eagle_on_equals_off(reference) -> None:  # type: ignore[no-untyped-def]

@@ -14,21 +14,32 @@ States of a slot::
 Free slots wait in an LRU queue; ``allocate`` takes the oldest first and
 drops its hash (eviction). A cached free slot that gets ``touch``ed is taken
 out of the queue again (a prefix-cache hit).
+
+Cache events: every change to the set of cached hashes is reported to
+``on_event`` once, as it happens: STORED when ``cache`` keys a slot by a new
+hash, REMOVED when a hash leaves (eviction by ``allocate``, a re-key by
+``cache``, ``uncache``). Re-caching a slot under the hash it already has, or
+refusing a hash another slot holds, changes nothing and reports nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from hybridpd.engine.base import CacheEventKind
 from hybridpd.hashing import BlockHash
+
+#: receives each change of the cached set, in order
+EventSink = Callable[[CacheEventKind, BlockHash], None]
 
 
 class BlockPool:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, on_event: EventSink | None = None) -> None:
         if num_slots <= 0:
             raise ValueError("num_slots must be positive")
         self.num_slots = num_slots
+        self.on_event = on_event
         self.ref = [0] * num_slots
         self.hash_of: list[BlockHash | None] = [None] * num_slots
         self.cached: dict[BlockHash, int] = {}
@@ -81,9 +92,12 @@ class BlockPool:
         already caches that hash. Re-keys a slot that had another hash."""
         if self.cached.get(block_hash, slot) != slot:
             return False
+        if self.hash_of[slot] == block_hash:  # already keyed so: no change, no event
+            return True
         self._evict(slot)
         self.hash_of[slot] = block_hash
         self.cached[block_hash] = slot
+        self._emit(CacheEventKind.STORED, block_hash)
         return True
 
     def uncache(self, block_hash: BlockHash) -> None:
@@ -91,6 +105,7 @@ class BlockPool:
         slot = self.cached.pop(block_hash, None)
         if slot is not None:
             self.hash_of[slot] = None
+            self._emit(CacheEventKind.REMOVED, block_hash)
 
     def _evict(self, slot: int) -> None:
         old = self.hash_of[slot]
@@ -98,6 +113,11 @@ class BlockPool:
             self.hash_of[slot] = None
             if self.cached.get(old) == slot:
                 del self.cached[old]
+                self._emit(CacheEventKind.REMOVED, old)
+
+    def _emit(self, kind: CacheEventKind, block_hash: BlockHash) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, block_hash)
 
     def check_consistent(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (tests)."""

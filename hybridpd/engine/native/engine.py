@@ -1,8 +1,21 @@
-"""NativeEngine: the reference implementation of the engine protocol.
+"""NativeEngine: the reference implementation of the engine boundary (``engine/base.py``).
 
-Owns the model, the paged KV cache, the state-checkpoint slots and the
-scheduler; ``step()`` runs one continuous-batching step. See
-``hybridpd.engine.base`` for the request lifecycle and the export objects.
+One step is schedule -> run -> postprocess::
+
+    Scheduler.schedule()          which requests advance, by how many tokens
+      (scheduler.py)              (admission: hybrid hit, blocks, checkpoint plan)
+    ModelRunner.execute()         EAGLE drafts, one batched forward
+      (model_runner.py)
+    _after_prefill/_after_decode  tokens, stops, checkpoints, handoffs, outputs
+      (this file)
+
+The engine keeps the request lifecycle (add, step, postprocess, finish,
+abort); the runner owns the tensors and the arithmetic; ``PrefixCache``
+(prefix_cache.py) the local cache: both pools, the checkpoint slots
+(``StateCache``), exports, imports and the cache events; ``HandoffTransport``
+(handoff.py) the NIXL agents. ``role`` ("local" | "prefill" | "decode") and
+``instance`` only name things (the NIXL agents): every member works in every
+role.
 
 Exactness rules (tests compare paths token for token):
 
@@ -12,78 +25,62 @@ Exactness rules (tests compare paths token for token):
 * KV computed by decode is never entered into the prefix cache: decode runs
   the recurrent form, whose last bits differ from the chunked prefill form,
   and a later prefill hitting it would no longer match a full recompute.
+
+Threading: as ``engine/base.py`` says, callers serialise every member except
+``pop_handoff`` and ``fetch_handoff``. Those touch only ``_handoffs`` (a dict
+``step()`` adds to and they pop from) and the transport, which locks itself.
 """
 
 from __future__ import annotations
 
-import logging
-import uuid
-from dataclasses import dataclass, field
+from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Literal
 
 import torch
 
-from hybridpd.checkpoints import checkpoint_slot_column, natural_position, needs_rekey
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
+    CacheEvent,
     EngineRequest,
     FinishReason,
-    Handoff,
+    HandoffStats,
+    HandoffTicket,
     KVExport,
     PoolStats,
     RequestId,
     RequestOutput,
+    SpecStats,
     StateCheckpoint,
 )
-from hybridpd.engine.native import exports, sampler
-from hybridpd.engine.native.attention import AttentionLayer
-from hybridpd.engine.native.block_pool import BlockPool
-from hybridpd.engine.native.delta import DeltaState
-from hybridpd.engine.native.eagle import DraftHead
-from hybridpd.engine.native.model import HybridModel, Work
-from hybridpd.engine.native.model_config import KERNEL_CHUNK, HybridModelConfig
-from hybridpd.engine.native.scheduler import ScheduledWork, Scheduler, SchedulerConfig, SeqStatus, Sequence
+from hybridpd.engine.native.handoff import FetchedHandoff, Handoff, HandoffTransport, NativeTicket
+from hybridpd.engine.native.model import HybridModel
+from hybridpd.engine.native.model_config import KERNEL_CHUNK
+from hybridpd.engine.native.model_runner import ModelRunner, StepRow
+from hybridpd.engine.native.prefix_cache import PrefixCache
+from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
 from hybridpd.engine.native.tiny import resolve_model_dir
-from hybridpd.engine.native.weights import load_weights
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
+from hybridpd.validation import validate_request
 
-logger = logging.getLogger(__name__)
+__all__ = ["NativeEngine", "SpecStats"]
 
-
-@dataclass(slots=True)
-class _SeqTensors:
-    delta: list[DeltaState]
-    gen: torch.Generator
-    last_hidden: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class SpecStats:
-    steps: int = 0
-    emitted: int = 0
-    #: tokens emitted by each verification step since the last drain (metrics)
-    recent: list[int] = field(default_factory=list)
-
-    def drain(self) -> list[int]:
-        out, self.recent = self.recent, []
-        return out
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return self.emitted / self.steps if self.steps else 0.0
+ROLES = ("local", "prefill", "decode")
 
 
 class NativeEngine:
-    #: checkpoints from the store can be imported (and cached blocks published by us)
+    #: checkpoints from the store enter through import_checkpoint
     imports_checkpoints = True
 
     def __init__(
         self,
         cfg: HybridPDConfig,
         *,
-        num_state_slots: int = 128,
+        role: Literal["local", "prefill", "decode"] = "local",
+        instance: str = "local",
         export_checkpoints: bool = False,
+        num_state_slots: int = 128,
         model_dir: Path | None = None,
         record_logits: bool = False,
     ) -> None:
@@ -92,33 +89,30 @@ class NativeEngine:
                 "checkpoint_alignment",
                 "the native engine exports state at multiples of %d; got %d" % (KERNEL_CHUNK, cfg.checkpoint_alignment),
             )
+        if role not in ROLES:
+            raise ValueError("role must be one of %s, got %r" % (ROLES, role))
         self.cfg = cfg
-        self.device = torch.device(cfg.device)
-        dtype = torch.float32 if cfg.engine_dtype() == "float32" else torch.bfloat16
+        self.role = role
+        self.instance = instance
         path = model_dir or resolve_model_dir(cfg.model)
-        self.mcfg = HybridModelConfig.load(path / "config.json")
-        self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)
-        self.model = HybridModel(self.mcfg, load_weights(path / "model.safetensors", dtype, self.device), self.device)
-        self.draft: DraftHead | None = None
-        if cfg.eagle:
-            if not (path / "draft.safetensors").exists():
-                raise ConfigError("eagle", "model %s has no draft.safetensors (EAGLE head)" % path)
-            self.draft = DraftHead(self.model, load_weights(path / "draft.safetensors", dtype, self.device))
         self.unit = cfg.prefix_match_unit
+        self.runner = ModelRunner(cfg, path, self.unit, record_logits)
+        self.mcfg = self.runner.mcfg
+        self.device = self.runner.device
+        self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
-        m = self.mcfg
-        shape = (cfg.num_kv_blocks, self.unit, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=self.device), torch.zeros(shape, dtype=dtype, device=self.device))
-            for _ in self.model.attn_layers
-        ]
-        n_delta = len(self.model.delta_layers)
-        self.slot_conv = torch.zeros(num_state_slots, n_delta, m.conv_kernel - 1, m.conv_dim, device=self.device)
-        self.slot_ssm = torch.zeros(
-            num_state_slots, n_delta, m.delta_heads, m.delta_key_dim, m.delta_value_dim, device=self.device
+        self.cache = PrefixCache(
+            self.runner,
+            self.model_id,
+            self.hasher,
+            num_kv_blocks=cfg.num_kv_blocks,
+            num_state_slots=num_state_slots,
+            mamba_block_size=cfg.mamba_block_size,
+            enabled=cfg.enable_prefix_caching,
+            export_checkpoints=export_checkpoints,
         )
-        self.kv_pool = BlockPool(cfg.num_kv_blocks)
-        self.state_pool = BlockPool(num_state_slots)
+        self.kv_pool = self.cache.kv_pool
+        self.state_pool = self.cache.state_pool
         self.scheduler = Scheduler(
             SchedulerConfig(
                 unit=self.unit,
@@ -133,37 +127,41 @@ class NativeEngine:
             self.kv_pool,
             self.state_pool,
         )
-        self.export_checkpoints = export_checkpoints
-        self.exports: list[tuple[KVExport, StateCheckpoint]] = []
-        self.pending_exports: dict[str, StateCheckpoint] = {}
-        self.handoffs: dict[str, Handoff] = {}
+        self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device)
+        #: handoffs of finished prefill_only requests, until pop_handoff (another thread)
+        self._handoffs: dict[str, Handoff] = {}
         self.seqs: dict[str, Sequence] = {}
-        self.tensors: dict[str, _SeqTensors] = {}
         self.pending: list[RequestOutput] = []
         self.spec = SpecStats()
-        #: rid -> fp32 logits that chose each emitted token (tests compare paths)
-        self.logit_log: dict[str, list[torch.Tensor]] | None = {} if record_logits else None
 
-    # -- requests ------------------------------------------------------------------
+    # -- what tests, benchmarks and scripts read ---------------------------------------
+    @property
+    def model(self) -> HybridModel:
+        return self.runner.model
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self.runner.kv_caches
+
+    @property
+    def logit_log(self) -> dict[str, list[torch.Tensor]] | None:
+        """rid -> fp32 logits that chose each emitted token (``record_logits``)."""
+        return self.runner.logit_log
+
+    # -- requests ------------------------------------------------------------------------
     def _validate(self, request: EngineRequest) -> None:
-        p, sp = request.prompt_token_ids, request.sampling
-        if not p:
-            raise InvalidRequestError("prompt must contain at least one token")
-        if min(p) < 0 or max(p) >= self.mcfg.vocab_size:
-            raise InvalidRequestError("token ids must lie in [0, %d)" % self.mcfg.vocab_size)
-        if sp.max_tokens < 1:
-            raise InvalidRequestError("max_tokens must be >= 1")
-        if len(p) + sp.max_tokens > self.cfg.max_model_len:
-            raise InvalidRequestError(
-                "prompt (%d) + max_tokens (%d) exceeds max_model_len %d"
-                % (len(p), sp.max_tokens, self.cfg.max_model_len)
-            )
+        validate_request(request, self.mcfg.vocab_size, self.cfg.max_model_len)
         if request.request_id in self.seqs:
             raise InvalidRequestError("duplicate request id %s" % request.request_id)
 
+    def _check_fits(self, seq: Sequence) -> None:
+        need = self.scheduler.blocks_needed(seq)
+        if need > self.kv_pool.num_slots:
+            raise InvalidRequestError("request needs %d KV blocks; the engine has %d" % (need, self.kv_pool.num_slots))
+
     def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
         """Queue ``request``. With ``prefill_only`` it finishes after its first
-        token and leaves a :class:`Handoff` in ``self.handoffs``."""
+        token and leaves a handoff for ``pop_handoff``."""
         self._validate(request)
         prompt = list(request.prompt_token_ids)
         seq = Sequence(
@@ -173,18 +171,17 @@ class NativeEngine:
             self.hasher.chain(prompt, cache_salt=request.cache_salt),
             prefill_only=prefill_only,
         )
-        if self.scheduler.blocks_needed(seq) > self.kv_pool.num_slots:
-            raise InvalidRequestError(
-                "request needs %d KV blocks; the engine has %d"
-                % (self.scheduler.blocks_needed(seq), self.kv_pool.num_slots)
-            )
+        self._check_fits(seq)
         self.seqs[seq.rid] = seq
         self.scheduler.add(seq)
 
     def abort(self, request_id: RequestId | str) -> bool:
+        """Free ``request_id`` (its ABORT output comes with the next step); an
+        unclaimed handoff of a finished request is dropped too (no output)."""
+        dropped = self._handoffs.pop(request_id, None) is not None
         seq = self.seqs.get(request_id)
         if seq is None:
-            return False
+            return dropped
         self._finish(seq)
         self.pending.append(
             RequestOutput(seq.request.request_id, (), True, FinishReason.ABORT, seq.num_prompt, seq.num_cached)
@@ -195,80 +192,28 @@ class NativeEngine:
         return bool(self.scheduler.waiting or self.scheduler.running or self.pending)
 
     def _finish(self, seq: Sequence) -> None:
-        self.pending_exports.pop(seq.rid, None)
+        self.cache.drop(seq.rid)
         self.scheduler.finish(seq)
         self.seqs.pop(seq.rid, None)
-        self.tensors.pop(seq.rid, None)
+        self.runner.drop(seq.rid)
 
-    # -- the step ------------------------------------------------------------------
+    # -- the step ------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         outputs, self.pending = self.pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        works: list[Work] = []
-        drafts = self._propose(scheduled)
-        for sw in scheduled:
-            seq = sw.seq
-            t = self.tensors[seq.rid]
-            start = seq.num_computed
-            if sw.decode:
-                tokens = [seq.token_ids[-1], *drafts.get(seq.rid, ([], None))[0]]
-                works.append(Work(torch.tensor(tokens), start, seq.block_ids, t.delta, True))
-            else:
-                cp = seq.checkpoint_pos
-                snap = frozenset({cp}) if cp is not None and start < cp <= start + sw.num_tokens else frozenset()
-                tokens = seq.token_ids[start : start + sw.num_tokens]
-                works.append(Work(torch.tensor(tokens), start, seq.block_ids, t.delta, False, snap))
-        self.model.forward(works, self.kv_caches)
-        for sw, work in zip(scheduled, works, strict=True):
-            d, dp = drafts.get(sw.seq.rid, ([], None))
-            out = self._after_decode(sw.seq, work, d, dp) if sw.decode else self._after_prefill(sw.seq, work)
+        for sw in scheduled:  # admitted this step: restore the hit's state
+            if sw.seq.rid not in self.runner.tensors:
+                slot = sw.seq.restore_slot
+                self.runner.start(sw.seq, self.cache.state_cache.read(slot) if slot is not None else None)
+        rows = self.runner.execute(scheduled)
+        for sw, row in zip(scheduled, rows, strict=True):
+            out = self._after_decode(sw.seq, row) if sw.decode else self._after_prefill(sw.seq, row)
             if out is not None:
                 outputs.append(out)
         return outputs
-
-    def _propose(self, scheduled: list[ScheduledWork]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
-        """EAGLE drafts for every decoding request of the step, in one batch."""
-        for sw in scheduled:
-            if sw.seq.rid not in self.tensors:
-                self._start(sw.seq)
-        if self.draft is None:
-            return {}
-        rows = []
-        for sw in scheduled:
-            seq = sw.seq
-            t = self.tensors[seq.rid]
-            left = seq.request.sampling.max_tokens - seq.num_output
-            if sw.decode and left > 1 and t.last_hidden is not None:
-                rows.append((seq, t, min(sw.num_tokens - 1, left - 1)))
-        if not rows:
-            return {}
-        got = self.draft.propose(
-            [seq.token_ids[-1] for seq, _, _ in rows],
-            torch.stack([t.last_hidden for _, t, _ in rows]),  # type: ignore[misc]
-            [k for _, _, k in rows],
-            [seq.request.sampling for seq, _, _ in rows],
-            [t.gen for _, t, _ in rows],
-        )
-        return {seq.rid: g for (seq, _, _), g in zip(rows, got, strict=True)}
-
-    def _start(self, seq: Sequence) -> _SeqTensors:
-        if seq.restore_slot is not None:
-            s = seq.restore_slot
-            delta = [
-                DeltaState(self.slot_conv[s, i].clone(), self.slot_ssm[s, i].clone())
-                for i in range(len(self.model.delta_layers))
-            ]
-        else:
-            delta = self.model.empty_state()
-        gen = torch.Generator(device="cpu")
-        seed = seq.request.sampling.seed
-        gen.manual_seed(seed if seed is not None else uuid.uuid4().int & ((1 << 63) - 1))
-        t = _SeqTensors(delta, gen)
-        self.tensors[seq.rid] = t
-        return t
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         sp = seq.request.sampling
@@ -278,47 +223,38 @@ class NativeEngine:
             return FinishReason.LENGTH
         return None
 
-    def _after_prefill(self, seq: Sequence, work: Work) -> RequestOutput | None:
-        t = self.tensors[seq.rid]
+    def _output(self, seq: Sequence, tokens: tuple[int, ...], reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(seq.request.request_id, tokens, reason is not None, reason, seq.num_prompt, seq.num_cached)
+
+    def _after_prefill(self, seq: Sequence, row: StepRow) -> RequestOutput | None:
+        work = row.work
         seq.num_computed += work.tokens.numel()
-        t.delta = work.delta
         for pos, states in work.snapshots.items():
-            self._save_checkpoint(seq, pos, states)
+            self.cache.save_checkpoint(seq, pos, states)
         if seq.num_computed < seq.num_prompt:
             return None
-        assert work.hidden is not None
-        last_logits = self.model.logits(work.hidden[-1:])
-        self._log_logits(seq.rid, last_logits)
-        token = sampler.pick(last_logits[0], seq.request.sampling, t.gen)
-        t.last_hidden = work.hidden[-1].clone()
-        self._register_prompt_blocks(seq)
-        self._export_pending(seq)
+        token = self.runner.sample_first(seq, work)
+        self.cache.register_prompt(seq)
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         if seq.prefill_only:
             if reason is None:
-                self.handoffs[seq.rid] = self._make_handoff(seq, token, t)
+                self._handoffs[seq.rid] = self.runner.make_handoff(self.model_id, seq, token)
             self._finish(seq)
             return RequestOutput(seq.request.request_id, (token,), True, reason, seq.num_prompt, seq.num_cached)
         seq.status = SeqStatus.DECODE
         if reason is not None:
             self._finish(seq)
-        return RequestOutput(
-            seq.request.request_id, (token,), reason is not None, reason, seq.num_prompt, seq.num_cached
-        )
+        return self._output(seq, (token,), reason)
 
-    def _after_decode(self, seq: Sequence, work: Work, d: list[int], dp: torch.Tensor | None) -> RequestOutput:
-        t = self.tensors[seq.rid]
-        assert work.hidden is not None
-        logits = self.model.logits(work.hidden)
-        sp = seq.request.sampling
-        emitted = sampler.verify(logits, d, dp, sp, t.gen) if d else [sampler.pick(logits[0], sp, t.gen)]
-        if d:
+    def _after_decode(self, seq: Sequence, row: StepRow) -> RequestOutput:
+        emitted, logits = self.runner.verify(seq, row)
+        if row.drafts:
             self.spec.steps += 1
             self.spec.emitted += len(emitted)
             if len(self.spec.recent) < 100_000:
                 self.spec.recent.append(len(emitted))
-        m = len(emitted) - 1  # drafts accepted; the target computed pending + m drafts
+        accepted = len(emitted) - 1  # the target computed the pending token + this many drafts
         out: list[int] = []
         reason = None
         for tok in emitted:
@@ -327,176 +263,89 @@ class NativeEngine:
             reason = self._stop_reason(seq, tok)
             if reason is not None:
                 break
-        self._log_logits(seq.rid, logits[: len(out)])
+        self.runner.log_logits(seq.rid, logits[: len(out)])
         if reason is not None:
             self._finish(seq)
         else:
-            t.delta = work.token_states[m]
-            t.last_hidden = work.hidden[m].clone()
-            seq.num_computed += m + 1
-        return RequestOutput(
-            seq.request.request_id, tuple(out), reason is not None, reason, seq.num_prompt, seq.num_cached
-        )
+            self.runner.accept(seq.rid, row, accepted)
+            seq.num_computed += accepted + 1
+        return self._output(seq, tuple(out), reason)
 
-    def _log_logits(self, rid: str, rows: torch.Tensor) -> None:
-        if self.logit_log is not None:
-            self.logit_log.setdefault(rid, []).extend(r.clone() for r in rows)
-
-    # -- caching and exports -------------------------------------------------------
-    def _register_prompt_blocks(self, seq: Sequence) -> None:
-        if not self.cfg.enable_prefix_caching:
-            return
-        for i in range(seq.num_prompt // self.unit):
-            self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
-
-    def _save_checkpoint(self, seq: Sequence, pos: int, states: list[DeltaState]) -> None:
-        """Keep state@pos in a slot keyed by the chain hash of ``[0, pos)``.
-
-        NOTE: vLLM writes this state into slot column ceil(N/B) - 2, whose
-        natural key is state@(col+1)*B; when that is not ``pos`` the slot must
-        be re-keyed, or a restore would return state@pos as another boundary.
-        Our slots are keyed explicitly by the hash at ``pos``.
-        """
-        key = seq.block_hashes[pos // self.unit - 1]
-        b = self.cfg.mamba_block_size
-        if needs_rekey(pos, seq.num_prompt, b):
-            col = checkpoint_slot_column(seq.num_prompt, b)
-            logger.debug(
-                "%s: slot column %d re-keyed from state@%d to state@%d", seq.rid, col, natural_position(col, b), pos
-            )
-        if self.state_pool.lookup(key) is None:
-            slot = self.state_pool.allocate(1)
-            if slot is not None:
-                for i, st in enumerate(states):
-                    self.slot_conv[slot[0], i] = st.conv
-                    self.slot_ssm[slot[0], i] = st.ssm
-                self.state_pool.cache(slot[0], key)
-                self.state_pool.free(slot)
-        if self.export_checkpoints:
-            # KV is exported when the prompt completes (_export_pending): the
-            # store needs every full prompt block, including the replay block
-            # after ``pos`` that an EAGLE hit drops.
-            self.pending_exports[seq.rid] = exports.export_state(self.model_id, states, pos, key)
-
-    def _export_pending(self, seq: Sequence) -> None:
-        state = self.pending_exports.pop(seq.rid, None)
-        if state is None:
-            return
-        full = seq.num_prompt // self.unit * self.unit
-        kv = exports.export_kv(
-            self.model_id, self.kv_caches, seq.block_ids, full, seq.block_hashes[: full // self.unit]
-        )
-        self.exports.append((kv, state))
-
+    # -- the local prefix cache (prefix_cache.py) -------------------------------------------
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
-        out, self.exports = self.exports, []
-        return out
+        return self.cache.pop_exports()
 
-    def _make_handoff(self, seq: Sequence, token: int, t: _SeqTensors) -> Handoff:
-        assert t.last_hidden is not None
-        n = seq.num_prompt
-        return Handoff(
-            request=seq.request,
-            first_token_id=token,
-            num_cached_tokens=seq.num_cached,
-            kv=exports.export_kv(self.model_id, self.kv_caches, seq.block_ids, n),
-            state=exports.export_state(self.model_id, t.delta, n, None),
-            draft=exports.export_draft(self.model_id, t.last_hidden, n),
-        )
-
-    def _expected_shapes(self, n: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
-        m = self.mcfg
-        kv: list[tuple[int, ...]] = [(n, m.num_kv_heads, m.head_dim)] * (2 * len(self.model.attn_layers))
-        st: list[tuple[int, ...]] = []
-        for _ in self.model.delta_layers:
-            st += [(m.conv_kernel - 1, m.conv_dim), (m.delta_heads, m.delta_key_dim, m.delta_value_dim)]
-        return kv, st
-
-    def add_handoff(self, handoff: Handoff) -> None:
-        """Continue a request prefilled elsewhere (decode side of P/D)."""
-        req = handoff.request
-        self._validate(req)
-        n = len(req.prompt_token_ids)
-        kv_shapes, st_shapes = self._expected_shapes(n)
-        exports.check_meta(handoff.kv.meta, self.model_id, "kv", kv_shapes)
-        exports.check_meta(handoff.state.meta, self.model_id, "state", st_shapes)
-        exports.check_meta(handoff.draft.meta, self.model_id, "draft", [(self.mcfg.hidden_size,)])
-        seq = Sequence(req, [*req.prompt_token_ids, handoff.first_token_id], n, [])
-        blocks = self.kv_pool.allocate(self.scheduler.blocks_needed(seq))
-        if blocks is None:
-            raise OverloadedError("no KV blocks free for handoff %s" % req.request_id)
-        seq.block_ids = blocks
-        exports.import_kv(handoff.kv, self.kv_caches, blocks)
-        seq.num_computed = n
-        seq.num_cached = handoff.num_cached_tokens
-        seq.status = SeqStatus.DECODE
-        t = self._start(seq)
-        t.delta = exports.import_state(handoff.state, self.device)
-        t.last_hidden = handoff.draft.buffers[0].to(self.device).clone()
-        self.seqs[seq.rid] = seq
-        self.scheduler.running.append(seq)
+    def pop_cache_events(self) -> list[CacheEvent]:
+        return self.cache.pop_events()
 
     def import_checkpoint(
-        self, kv: KVExport, state: StateCheckpoint, token_ids: list[int], cache_salt: str | None = None
+        self, kv: KVExport, state: StateCheckpoint, token_ids: Seq[int], cache_salt: str | None = None
     ) -> bool:
-        """Enter a checkpoint loaded from the store into the local caches.
+        """Enter a verified store checkpoint of ``token_ids`` (``PrefixCache.import_checkpoint``)."""
+        return self.cache.import_checkpoint(kv, state, token_ids, cache_salt)
 
-        Verifies that it belongs to ``token_ids`` (chain hash at its
-        position). Returns True if the KV blocks and the state are now cached
-        (a later admission then hits them); False if the pools are full.
-        """
-        pos, kv_pos = state.meta.position, kv.meta.position
-        kv_shapes, _ = self._expected_shapes(kv_pos)
-        _, st_shapes = self._expected_shapes(pos)
-        exports.check_meta(kv.meta, self.model_id, "kv", kv_shapes)
-        exports.check_meta(state.meta, self.model_id, "state", st_shapes)
-        if pos % self.unit or kv_pos % self.unit or not 0 < pos <= kv_pos <= len(token_ids):
-            raise IntegrityError("checkpoint at %d / KV to %d do not fit unit %d" % (pos, kv_pos, self.unit))
-        hashes = self.hasher.chain(token_ids[:kv_pos], cache_salt=cache_salt)
-        key = hashes[pos // self.unit - 1]
-        if state.key != key:
-            raise IntegrityError("checkpoint key does not match the prompt's chain hash at %d" % pos)
-        for i, h in enumerate(hashes):
-            if self.kv_pool.lookup(h) is not None:
-                continue
-            got = self.kv_pool.allocate(1)
-            if got is None:
-                return False
-            table = [got[0]] * (i + 1)  # only entry i is used by the write below
-            for li, (k_cache, v_cache) in enumerate(self.kv_caches):
-                rows = slice(i * self.unit, (i + 1) * self.unit)
-                AttentionLayer.write(k_cache, table, i * self.unit, kv.buffers[2 * li][rows])
-                AttentionLayer.write(v_cache, table, i * self.unit, kv.buffers[2 * li + 1][rows])
-            self.kv_pool.cache(got[0], h)
-            self.kv_pool.free(got)
-        if self.state_pool.lookup(key) is None:
-            slot = self.state_pool.allocate(1)
-            if slot is None:
-                return False
-            for i, st in enumerate(exports.import_state(state, self.device)):
-                self.slot_conv[slot[0], i] = st.conv
-                self.slot_ssm[slot[0], i] = st.ssm
-            self.state_pool.cache(slot[0], key)
-            self.state_pool.free(slot)
-        return True
+    # -- handoffs (P/D) ------------------------------------------------------------------
+    def pop_handoff(self, request_id: str) -> NativeTicket | None:
+        """Offer the handoff of finished ``request_id`` over NIXL (the server
+        starts on first use). Called without the engine lock."""
+        handoff = self._handoffs.pop(request_id, None)
+        return None if handoff is None else self.transport.offer(handoff)
 
-    # -- introspection -------------------------------------------------------------
-    def local_hit(self, token_ids: list[int], cache_salt: str | None = None) -> int:
+    def take_handoff(self, request_id: str) -> FetchedHandoff | None:
+        """The handoff of finished ``request_id`` for an engine in this process,
+        without NIXL (tests, benchmarks: ``decode.add_handoff(req, fetched)``)."""
+        handoff = self._handoffs.pop(request_id, None)
+        return None if handoff is None else FetchedHandoff.of(handoff)
+
+    def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> FetchedHandoff:
+        """READ and verify a ticket from a native prefill engine (the client starts
+        on first use; fetches run one at a time). Called without the engine lock."""
+        if not isinstance(ticket, NativeTicket):
+            raise TypeError("the native engine reads NativeTicket handoffs, got %s" % type(ticket).__name__)
+        if ticket.request_id != request.request_id:
+            raise IntegrityError("handoff of %s offered for request %s" % (ticket.request_id, request.request_id))
+        return self.transport.fetch(request, ticket)
+
+    def add_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> None:
+        """Continue ``request`` from a fetched handoff (decode side of P/D)."""
+        if not isinstance(ticket, FetchedHandoff):
+            raise TypeError("add_handoff takes fetch_handoff's FetchedHandoff, got %s" % type(ticket).__name__)
+        handoff = ticket.handoff
+        if handoff.request.request_id != request.request_id:
+            raise IntegrityError("handoff of %s given for %s" % (handoff.request.request_id, request.request_id))
+        self._validate(request)
+        n = len(request.prompt_token_ids)
+        self.runner.check_handoff(self.model_id, handoff, n)
+        seq = Sequence(request, [*request.prompt_token_ids, handoff.first_token_id], n, [])
+        seq.num_cached = handoff.num_cached_tokens
+        self._check_fits(seq)
+        if not self.scheduler.admit_handoff(seq):
+            raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
+        self.runner.load_handoff(seq, handoff)
+        self.seqs[seq.rid] = seq
+
+    def handoff_stats(self) -> HandoffStats:
+        return self.transport.stats()
+
+    def inject_fault(self, kind: str) -> None:
+        """``corrupt_next_handoff``: the next offer's KV changes after its checksum;
+        ``delay_next_handoff_read``: the next fetch starts after the ticket expired."""
+        self.transport.inject(kind)
+
+    def close(self) -> None:
+        self.transport.close()
+
+    # -- introspection -------------------------------------------------------------------
+    def local_hit(self, token_ids: Seq[int], cache_salt: str | None = None) -> int:
         """The hit an admission of this prompt would get now (no side effects)."""
+        tokens = list(token_ids)
         probe = Sequence(
-            EngineRequest(RequestId("probe"), tuple(token_ids)),
-            list(token_ids),
-            len(token_ids),
-            self.hasher.chain(token_ids, cache_salt=cache_salt),
+            EngineRequest(RequestId("probe"), tuple(tokens)),
+            tokens,
+            len(tokens),
+            self.hasher.chain(tokens, cache_salt=cache_salt),
         )
         return self.scheduler.hit_length(probe)
-
-    def cached_hashes(self, token_ids: list[int], cache_salt: str | None = None) -> tuple[list, list]:
-        """(KV block hashes, state hashes) of this prompt's chain held locally now."""
-        chain = self.hasher.chain(token_ids, cache_salt=cache_salt)
-        kv = [h for h in chain if self.kv_pool.lookup(h) is not None]
-        st = [h for h in chain if self.state_pool.lookup(h) is not None]
-        return kv, st
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 
 import torch
 
-from hybridpd.engine.base import BufferMeta, DraftState, KVExport, StateCheckpoint
+from hybridpd.engine.base import BufferMeta, KVExport, StateCheckpoint
 from hybridpd.engine.native.attention import AttentionLayer
 from hybridpd.engine.native.delta import DeltaState
+from hybridpd.engine.native.handoff import DraftState
 from hybridpd.errors import IntegrityError
 from hybridpd.hashing import BlockHash
 

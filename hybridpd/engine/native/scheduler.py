@@ -6,6 +6,9 @@ Each ``schedule()`` call builds one step under a token budget:
 2. prefilling sequences continue, in admission order;
 3. waiting sequences are admitted (FCFS) while blocks and seats remain.
 
+A request prefilled elsewhere enters with ``admit_handoff``, straight into
+DECODE (its KV arrives with the handoff).
+
 A prefill chunk starts and ends on multiples of the kernel chunk (16), except
 at the prompt's end: budgets are rounded down, so every budget yields the same
 chunks. Admission finds the hybrid hit (``checkpoints.longest_usable_hit``:
@@ -164,6 +167,21 @@ class Scheduler:
                 hit, seq.num_prompt, seq.num_prompt, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle
             )
         logger.debug("admit %s: prompt %d, hit %d, checkpoint %s", seq.rid, seq.num_prompt, hit, seq.checkpoint_pos)
+        return True
+
+    def admit_handoff(self, seq: Sequence) -> bool:
+        """Admit a request prefilled elsewhere straight into DECODE: reserve its
+        blocks (prompt + output + drafts; the caller writes the handed-off KV
+        into them) and run it from the next step. False (nothing taken) when
+        too few blocks are free. Its blocks never enter the prefix cache."""
+        blocks = self.kv_pool.allocate(self.blocks_needed(seq))
+        if blocks is None:
+            return False
+        seq.block_ids = blocks
+        seq.num_computed = seq.num_prompt
+        seq.status = SeqStatus.DECODE
+        self.running.append(seq)
+        logger.debug("admit handoff %s: prompt %d, cached %d", seq.rid, seq.num_prompt, seq.num_cached)
         return True
 
     def finish(self, seq: Sequence) -> None:

@@ -1,0 +1,229 @@
+"""The native P/D handoff: what a prefilled request carries to decode, and how it moves.
+
+::
+
+    prefill engine                                    decode engine
+    step(): prompt done -> Handoff (owned copies)
+    pop_handoff(rid): NIXL offer (checksums, expiry)
+        -> NativeTicket --- crosses Ray, via the router --->
+                                                      fetch_handoff(req, ticket):
+                                                        NIXL READ, verify, "release:<id>"
+                                                        -> FetchedHandoff(Handoff)
+                                                      add_handoff(req, fetched)
+
+A :class:`Handoff` is three buffer sets: the prompt's attention KV, the final
+recurrent state and the EAGLE draft state (the target hidden at the last
+prompt position). The ticket carries their metadata, not the bytes: decode
+rebuilds the Handoff from the READ buffers by the metas' shape counts, and the
+engine checks every shape against its own model before it uses them.
+
+:class:`HandoffTransport` is the engine's NIXL plumbing. Its agents start on
+first use (a prefill engine's server on the first offer, a decode engine's
+client on the first fetch) and its methods are thread-safe: the workers call
+``pop_handoff`` / ``fetch_handoff`` without the engine lock, concurrently with
+``step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hybridpd.engine.base import (
+    BufferMeta,
+    EngineRequest,
+    HandoffStats,
+    HandoffTicket,
+    KVExport,
+    StateCheckpoint,
+)
+from hybridpd.errors import IntegrityError
+from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffDescriptor, HandoffServer
+
+logger = logging.getLogger(__name__)
+
+#: the faults ``inject_fault`` knows (each hits the next handoff once)
+CORRUPT_NEXT = "corrupt_next_handoff"
+DELAY_NEXT_READ = "delay_next_handoff_read"
+
+
+@dataclass(frozen=True, slots=True)
+class DraftState:
+    """What EAGLE needs to continue: the target hidden state at the last
+    computed position (``[hidden]``)."""
+
+    meta: BufferMeta
+    buffers: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """Everything decode needs to continue a prefilled request."""
+
+    request: EngineRequest
+    first_token_id: int
+    num_cached_tokens: int
+    kv: KVExport
+    state: StateCheckpoint
+    draft: DraftState
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every buffer, in the order a ticket's descriptor lists them."""
+        return (*self.kv.buffers, *self.state.buffers, *self.draft.buffers)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NativeTicket(HandoffTicket):
+    """A native handoff offered over NIXL: plain data, picklable.
+
+    ``nbytes`` and ``expires_at`` are the descriptor's; the metas describe the
+    descriptor's buffers in order (KV, then state, then draft)."""
+
+    descriptor: HandoffDescriptor
+    kv_meta: BufferMeta
+    state_meta: BufferMeta
+    draft_meta: BufferMeta
+    first_token_id: int
+    num_cached_tokens: int
+
+    @classmethod
+    def offered(cls, handoff: Handoff, desc: HandoffDescriptor) -> NativeTicket:
+        return cls(
+            request_id=handoff.request.request_id,
+            nbytes=desc.nbytes,
+            expires_at=desc.expires_at,
+            descriptor=desc,
+            kv_meta=handoff.kv.meta,
+            state_meta=handoff.state.meta,
+            draft_meta=handoff.draft.meta,
+            first_token_id=handoff.first_token_id,
+            num_cached_tokens=handoff.num_cached_tokens,
+        )
+
+    def rebuild(self, request: EngineRequest, bufs: Sequence[torch.Tensor]) -> Handoff:
+        """The Handoff of the READ buffers ``bufs`` (split by the metas' shape counts)."""
+        n_kv, n_st = len(self.kv_meta.shapes), len(self.state_meta.shapes)
+        want = n_kv + n_st + len(self.draft_meta.shapes)
+        if len(bufs) != want:
+            raise IntegrityError(
+                "handoff %s has %d buffers; its metadata lists %d" % (self.request_id, len(bufs), want)
+            )
+        return Handoff(
+            request=request,
+            first_token_id=self.first_token_id,
+            num_cached_tokens=self.num_cached_tokens,
+            kv=KVExport(self.kv_meta, tuple(bufs[:n_kv])),
+            state=StateCheckpoint(self.state_meta, None, tuple(bufs[n_kv : n_kv + n_st])),
+            draft=DraftState(self.draft_meta, tuple(bufs[n_kv + n_st :])),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FetchedHandoff(HandoffTicket):
+    """A handoff whose bytes are here (``fetch_handoff``'s result, ``add_handoff``'s
+    input); not meant to cross processes."""
+
+    handoff: Handoff
+
+    @classmethod
+    def of(cls, handoff: Handoff, nbytes: int = 0, expires_at: float | None = None) -> FetchedHandoff:
+        """Wrap a Handoff made in this process (tests: P/D without NIXL)."""
+        return cls(request_id=handoff.request.request_id, nbytes=nbytes, expires_at=expires_at, handoff=handoff)
+
+
+class HandoffTransport:
+    """The NIXL side of one engine: offers (prefill), fetches (decode), faults, stats."""
+
+    def __init__(self, instance: str, timeout_s: float, device: str) -> None:
+        self.instance = instance
+        self.timeout_s = timeout_s
+        self.device = device
+        self._server: HandoffServer | None = None
+        self._client: HandoffClient | None = None
+        self._server_lock = threading.Lock()  # creation only: the server locks its own agent
+        # NOTE: one decode agent, driven by one fetch at a time
+        self._client_lock = threading.Lock()
+        self._fault_lock = threading.Lock()
+        self._corrupt_next = False
+        self._delay_next_read = False
+        self._closed = False
+
+    def _agent_name(self) -> str:
+        return "%s-%d" % (self.instance, int(time.time() * 1000) % 100000)
+
+    def _take_fault(self, kind: str) -> bool:
+        with self._fault_lock:
+            if kind == CORRUPT_NEXT:
+                hit, self._corrupt_next = self._corrupt_next, False
+            else:
+                hit, self._delay_next_read = self._delay_next_read, False
+        return hit
+
+    def inject(self, kind: str) -> None:
+        with self._fault_lock:
+            if kind == CORRUPT_NEXT:
+                self._corrupt_next = True
+            elif kind == DELAY_NEXT_READ:
+                self._delay_next_read = True
+            else:
+                raise ValueError("unknown fault %r" % kind)
+
+    # -- prefill side ----------------------------------------------------------------
+    def _get_server(self) -> HandoffServer:
+        with self._server_lock:
+            if self._closed:
+                raise RuntimeError("handoff transport of %s is closed" % self.instance)
+            if self._server is None:
+                self._server = HandoffServer(self._agent_name(), timeout_s=self.timeout_s)
+            return self._server
+
+    def offer(self, handoff: Handoff) -> NativeTicket:
+        """Register ``handoff``'s buffers with NIXL until decode releases them or they expire."""
+        desc = self._get_server().offer(handoff.buffers(), handoff.request.request_id)
+        if self._take_fault(CORRUPT_NEXT):  # flip a byte after the checksum was taken
+            logger.warning("fault injection: corrupting handoff %s", handoff.request.request_id)
+            with torch.inference_mode():
+                handoff.kv.buffers[0].view(-1)[0] += 1.0
+        return NativeTicket.offered(handoff, desc)
+
+    def stats(self) -> HandoffStats:
+        server = self._server
+        if server is None:
+            return HandoffStats()
+        # NOTE: swap, not clear: the server's thread appends to the list it holds
+        latencies, server.release_latencies = server.release_latencies, []
+        return HandoffStats(server.outstanding(), server.expired, tuple(latencies))
+
+    # -- decode side -----------------------------------------------------------------
+    def fetch(self, request: EngineRequest, ticket: NativeTicket) -> FetchedHandoff:
+        """READ and verify ``ticket``'s buffers (HandoffError, IntegrityError)."""
+        desc = ticket.descriptor
+        if self._take_fault(DELAY_NEXT_READ):  # arrive after prefill's handoff timeout
+            logger.warning("fault injection: reading handoff %s after its expiry", ticket.request_id)
+            time.sleep(max(0.0, desc.expires_at - time.time()) + 0.5)
+        with self._client_lock:
+            if self._closed:
+                raise RuntimeError("handoff transport of %s is closed" % self.instance)
+            if self._client is None:
+                self._client = HandoffClient(self._agent_name())
+            bufs = self._client.fetch(desc, device=self.device)
+        handoff = ticket.rebuild(request, bufs)
+        return FetchedHandoff(
+            request_id=ticket.request_id, nbytes=ticket.nbytes, expires_at=ticket.expires_at, handoff=handoff
+        )
+
+    def close(self) -> None:
+        with self._server_lock:
+            self._closed = True
+            server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -1,0 +1,154 @@
+"""The native engine's local prefix cache: what it caches, exports and imports.
+
+Two tensor-free pools keyed by chain hashes (``hybridpd.hashing``)::
+
+    kv_pool     attention KV blocks, one per ``unit`` tokens (tensors: ModelRunner)
+    state_pool  recurrent-state checkpoints, keyed by the hash at their
+                position (tensors: StateCache)
+
+What enters them, and when:
+
+* a completed prompt's full blocks (``register_prompt``; never decode's KV);
+* the one checkpoint a prefill snapshots (``save_checkpoint``; positions from
+  ``hybridpd.checkpoints``), exported with the prompt's full KV when the
+  prompt completes if ``export_checkpoints`` (``pop_exports``: for the store);
+* a verified store checkpoint (``import_checkpoint``).
+
+Every change of either pool goes to the :class:`CacheEventLog`
+(``pop_events``), which the index mirrors. The scheduler reads the pools for
+hits; only this class and the scheduler's admission/finish change them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+
+from hybridpd.checkpoints import checkpoint_slot_column, natural_position, needs_rekey
+from hybridpd.engine.base import CacheEvent, CacheGroup, KVExport, StateCheckpoint
+from hybridpd.engine.native import exports
+from hybridpd.engine.native.block_pool import BlockPool
+from hybridpd.engine.native.cache_events import CacheEventLog
+from hybridpd.engine.native.delta import DeltaState
+from hybridpd.engine.native.model_runner import ModelRunner
+from hybridpd.engine.native.scheduler import Sequence
+from hybridpd.engine.native.state_cache import StateCache
+from hybridpd.errors import IntegrityError
+from hybridpd.hashing import BlockHash, BlockHasher
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        model_id: str,
+        hasher: BlockHasher,
+        *,
+        num_kv_blocks: int,
+        num_state_slots: int,
+        mamba_block_size: int,
+        enabled: bool,
+        export_checkpoints: bool,
+    ) -> None:
+        self.runner = runner
+        self.model_id = model_id
+        self.hasher = hasher
+        self.unit = hasher.unit
+        self.mamba_block_size = mamba_block_size
+        self.enabled = enabled
+        self.export_checkpoints = export_checkpoints
+        # NOTE: the limit exceeds what the pools can hold, so a resync always fits in it
+        self.events = CacheEventLog(4 * (num_kv_blocks + num_state_slots), self._cached_now)
+        self.kv_pool = BlockPool(num_kv_blocks, self.events.sink(CacheGroup.KV))
+        self.state_cache = StateCache(
+            num_state_slots, runner.num_delta_layers, runner.mcfg, runner.device, self.events.sink(CacheGroup.STATE)
+        )
+        self.state_pool = self.state_cache.pool
+        self.exports: list[tuple[KVExport, StateCheckpoint]] = []
+        #: rid -> the state a running prefill snapshotted, until its prompt completes
+        self.pending_exports: dict[str, StateCheckpoint] = {}
+
+    def _cached_now(self) -> list[tuple[CacheGroup, list[BlockHash]]]:
+        return [(CacheGroup.KV, list(self.kv_pool.cached)), (CacheGroup.STATE, list(self.state_pool.cached))]
+
+    # -- a prefill's blocks and checkpoint -------------------------------------------------
+    def register_prompt(self, seq: Sequence) -> None:
+        """Cache the full blocks of ``seq``'s completed prompt; export its checkpoint."""
+        if self.enabled:
+            for i in range(seq.num_prompt // self.unit):
+                self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
+        state = self.pending_exports.pop(seq.rid, None)
+        if state is not None:
+            # KV is exported now, not at the snapshot: the store needs every full
+            # prompt block, including the replay block after the checkpoint that
+            # an EAGLE hit drops.
+            full = seq.num_prompt // self.unit * self.unit
+            kv = self.runner.export_kv(self.model_id, seq.block_ids, full, seq.block_hashes[: full // self.unit])
+            self.exports.append((kv, state))
+
+    def save_checkpoint(self, seq: Sequence, pos: int, states: list[DeltaState]) -> None:
+        """Keep state@pos in a slot keyed by the chain hash of ``[0, pos)``.
+
+        NOTE: vLLM writes this state into slot column ceil(N/B) - 2, whose
+        natural key is state@(col+1)*B; when that is not ``pos`` the slot must
+        be re-keyed, or a restore would return state@pos as another boundary.
+        Our slots are keyed explicitly by the hash at ``pos``.
+        """
+        key = seq.block_hashes[pos // self.unit - 1]
+        b = self.mamba_block_size
+        if needs_rekey(pos, seq.num_prompt, b):
+            col = checkpoint_slot_column(seq.num_prompt, b)
+            logger.debug(
+                "%s: slot column %d re-keyed from state@%d to state@%d", seq.rid, col, natural_position(col, b), pos
+            )
+        self.state_cache.store(key, states)
+        if self.export_checkpoints:
+            self.pending_exports[seq.rid] = exports.export_state(self.model_id, states, pos, key)
+
+    def drop(self, rid: str) -> None:
+        """Forget what a finished (or aborted) request left pending."""
+        self.pending_exports.pop(rid, None)
+
+    # -- the streams the prefill worker drains -------------------------------------------
+    def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
+        out, self.exports = self.exports, []
+        return out
+
+    def pop_events(self) -> list[CacheEvent]:
+        return self.events.drain()
+
+    # -- store hits ----------------------------------------------------------------------
+    def import_checkpoint(
+        self, kv: KVExport, state: StateCheckpoint, token_ids: Seq[int], cache_salt: str | None = None
+    ) -> bool:
+        """Enter a checkpoint loaded from the store.
+
+        Verifies that it belongs to ``token_ids`` (chain hash at its position;
+        IntegrityError otherwise). True if its KV blocks and state are cached
+        now (a later admission hits them); False if the pools are full.
+        """
+        pos, kv_pos = state.meta.position, kv.meta.position
+        kv_shapes, _ = self.runner.expected_shapes(kv_pos)
+        _, st_shapes = self.runner.expected_shapes(pos)
+        exports.check_meta(kv.meta, self.model_id, "kv", kv_shapes)
+        exports.check_meta(state.meta, self.model_id, "state", st_shapes)
+        if pos % self.unit or kv_pos % self.unit or not 0 < pos <= kv_pos <= len(token_ids):
+            raise IntegrityError("checkpoint at %d / KV to %d do not fit unit %d" % (pos, kv_pos, self.unit))
+        hashes = self.hasher.chain(list(token_ids[:kv_pos]), cache_salt=cache_salt)
+        key = hashes[pos // self.unit - 1]
+        if state.key != key:
+            raise IntegrityError("checkpoint key does not match the prompt's chain hash at %d" % pos)
+        for i, h in enumerate(hashes):
+            if self.kv_pool.lookup(h) is not None:
+                continue
+            got = self.kv_pool.allocate(1)
+            if got is None:
+                return False
+            self.runner.write_kv_block(got[0], i, kv)
+            self.kv_pool.cache(got[0], h)
+            self.kv_pool.free(got)
+        if self.state_cache.lookup(key) is None:
+            return self.state_cache.store(key, exports.import_state(state, self.runner.device))
+        return True
