@@ -8,7 +8,9 @@
 ``Orchestrator.stream()`` is an async generator of :class:`Event`. The
 prefill's tokens (the native engine's first token; none from vLLM, whose
 decode samples every output token) are sent first; a request that finished at
-prefill ends there, else the decode stream follows. TTFT is observed when the
+prefill (a finish reason, or no handoff ticket) ends there, else the decode
+stream follows. A prefill with neither tokens, a finish reason nor a ticket
+fails the request (UnavailableError). TTFT is observed when the
 request's first token arrives, from whichever side. When the consumer stops
 early (client disconnect, cancel) or the request fails or hits a stop string,
 the ``finally`` aborts the work on every actor holding it, so their blocks
@@ -96,8 +98,8 @@ class Orchestrator:
         try:
             pr = await self._prefill(run, force_instance)
             out = run.output = OutputProcessor(self.tokenizer, stop, len(req.prompt_token_ids), pr.num_cached_tokens)
-            if pr.token_ids:
-                done = pr.finish_reason is not None or not pr.has_handoff  # the request ended at prefill
+            done = pr.finish_reason is not None or not pr.has_handoff  # the request ended at prefill
+            if pr.token_ids or pr.finish_reason is not None:
                 ev = self._event(run, out, pr.token_ids, done, pr.finish_reason or "length")
                 yield ev
                 if ev.finished:

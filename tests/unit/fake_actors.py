@@ -75,7 +75,8 @@ class StreamingMethod(Method):
 
 class FakePrefill:
     """Samples ``produce`` tokens of ``tokens`` at prefill (1: native engine, 0: vLLM) and
-    leaves a handoff ticket unless the request is complete (or ``ticket`` is False)."""
+    leaves a handoff ticket unless the request is complete (or ``ticket`` is False);
+    ``finish``: the request ends at prefill with that reason (no ticket)."""
 
     def __init__(
         self,
@@ -87,9 +88,10 @@ class FakePrefill:
         delay: float = 0.0,
         gate: asyncio.Event | None = None,
         ticket: bool = True,
+        finish: str | None = None,
     ) -> None:
         self.name, self.produce, self.tokens, self.fail = name, produce, tuple(tokens), fail
-        self.delay, self.gate, self.ticket = delay, gate, ticket
+        self.delay, self.gate, self.ticket, self.finish = delay, gate, ticket, finish
         self.prefill = Method(self._prefill)
         self.abort = Method(lambda rid: False)
 
@@ -103,8 +105,8 @@ class FakePrefill:
         req = cmd.request
         out = self.tokens[: self.produce]
         n = len(req.prompt_token_ids)
-        if len(out) >= req.sampling.max_tokens:
-            return PrefillResult(req.request_id, self.name, out, "length", n, CACHED, 0)
+        if self.finish is not None or len(out) >= req.sampling.max_tokens:
+            return PrefillResult(req.request_id, self.name, out, self.finish or "length", n, CACHED, 0)
         ticket = HandoffTicket(req.request_id) if self.ticket else None
         return PrefillResult(req.request_id, self.name, out, None, n, CACHED, 0, ticket)
 

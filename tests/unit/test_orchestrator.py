@@ -118,6 +118,17 @@ def test_request_finished_at_prefill_ends_there() -> None:
     assert _idle(orch)
 
 
+@pytest.mark.parametrize("produce", [1, 0], ids=["native", "vllm"])
+def test_request_aborted_at_prefill_ends_with_abort(produce: int) -> None:
+    p, d = FakePrefill("prefill-0", produce=produce, finish="abort"), FakeDecode()
+    orch = _orch([p], [d])
+    evs = asyncio.run(_collect(orch, _req(8)))
+    text = TOK.decode(SCRIPT[:produce])
+    assert evs == [Event(SCRIPT[:produce], text, True, "abort", Usage(3, CACHED, produce))]
+    assert d.generate.calls == [] and p.abort.calls == []  # the engine ended it
+    assert _metric(orch, "hybridpd_ttft_seconds_count") == produce
+
+
 def test_prefill_with_neither_tokens_nor_handoff_is_unavailable() -> None:
     p = FakePrefill("prefill-0", produce=0, ticket=False)
     orch = _orch([p])
