@@ -1,8 +1,8 @@
 /* Canonical CBOR encoding of token-id runs, and the SHA-256 block chain, for
  * hybridpd.hashing.
  *
- * encode(tokens, unit) -> (buf: bytes, starts: bytes)
- *   tokens: a list/tuple of ints or any C-contiguous buffer of int64/uint32.
+ * encode(tokens, unit, portable=False) -> (buf: bytes, starts: bytes)
+ *   tokens: a list/tuple of ints or any C-contiguous buffer of int64/uint32/int32.
  *   buf:    the canonical CBOR unsigned-int encoding of the first
  *           (len // unit) * unit tokens, concatenated.
  *   starts: native int64 array (n_blocks + 1 entries) of block byte offsets.
@@ -14,140 +14,214 @@
  *     h_i = sha256(0x83 | bstr(h_{i-1}) | array(unit) | uint(t)... | tail_i)
  *   with h_{-1} = parent, tail_0 = tail_first, tail_i = tail_rest (both already
  *   canonical CBOR). Hashing runs without the GIL; SHA-NI when the CPU has it
- *   (x86-64), else portable C (``portable=True`` forces it, for tests).
+ *   (x86-64), else portable C. Token ids are CBOR-encoded with AVX-512 VBMI2
+ *   (compress-store) where the CPU has it, else branch-free scalar code;
+ *   ``portable=True`` forces the portable SHA-256 and the scalar encoder (tests).
  *   OverflowError as for encode.
  * has_sha_ni() -> bool
+ * has_simd_encoder() -> bool
+ *
+ * Token input: a list or tuple of ints is read under the GIL (exact ints with
+ * one digit straight from the object, the common case); buffers (numpy arrays)
+ * of int64/uint32/int32 are read as they are. Encoding and hashing run
+ * without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
 
-static inline Py_ssize_t put_uint(unsigned char *p, uint64_t v) {
-    if (v < 24) { p[0] = (unsigned char)v; return 1; }
-    if (v < 256) { p[0] = 0x18; p[1] = (unsigned char)v; return 2; }
-    if (v < 65536) { p[0] = 0x19; p[1] = (unsigned char)(v >> 8); p[2] = (unsigned char)v; return 3; }
-    p[0] = 0x1a; p[1] = (unsigned char)(v >> 24); p[2] = (unsigned char)(v >> 16);
-    p[3] = (unsigned char)(v >> 8); p[4] = (unsigned char)v; return 5;
-}
-
-static PyObject *encode(PyObject *self, PyObject *args) {
-    PyObject *obj; Py_ssize_t unit;
-    if (!PyArg_ParseTuple(args, "On", &obj, &unit)) return NULL;
-    if (unit <= 0) { PyErr_SetString(PyExc_ValueError, "unit must be positive"); return NULL; }
-
-    Py_buffer view; int have_view = 0; PyObject *seq = NULL;
-    Py_ssize_t n;
-    int kind = 0; /* 0: sequence, 8: int64 buffer, 4: uint32 buffer */
-    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
-        have_view = 1;
-        const char *f = view.format ? view.format : "B";
-        if (*f == '<' || *f == '=' || *f == '@') f++;
-        if (view.itemsize == 8 && (*f == 'l' || *f == 'q')) kind = 8;
-        else if (view.itemsize == 4 && (*f == 'I' || *f == 'L')) kind = 4;
-        else { PyBuffer_Release(&view); have_view = 0; }
-    } else {
-        PyErr_Clear();
-    }
-    if (kind == 0) {
-        seq = PySequence_Fast(obj, "tokens must be a sequence of ints");
-        if (!seq) return NULL;
-        n = PySequence_Fast_GET_SIZE(seq);
-    } else {
-        n = view.len / view.itemsize;
-    }
-    Py_ssize_t nblocks = n / unit, ntok = nblocks * unit;
-    PyObject *buf = PyBytes_FromStringAndSize(NULL, ntok * 5);
-    PyObject *starts = PyBytes_FromStringAndSize(NULL, (nblocks + 1) * (Py_ssize_t)sizeof(int64_t));
-    if (!buf || !starts) goto fail;
-    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(buf);
-    int64_t *st = (int64_t *)PyBytes_AS_STRING(starts);
-    Py_ssize_t off = 0;
-    PyObject **items = seq ? PySequence_Fast_ITEMS(seq) : NULL;
-    for (Py_ssize_t i = 0; i < ntok; i++) {
-        if (i % unit == 0) st[i / unit] = off;
-        uint64_t v;
-        if (kind == 8) {
-            int64_t x = ((const int64_t *)view.buf)[i];
-            if (x < 0 || x > 0xFFFFFFFFLL) { PyErr_SetString(PyExc_OverflowError, "token out of range"); goto fail; }
-            v = (uint64_t)x;
-        } else if (kind == 4) {
-            v = ((const uint32_t *)view.buf)[i];
-        } else {
-            unsigned long long x = PyLong_AsUnsignedLongLong(items[i]);
-            if (x == (unsigned long long)-1 && PyErr_Occurred()) {
-                PyErr_Clear(); PyErr_SetString(PyExc_OverflowError, "token out of range"); goto fail;
-            }
-            if (x > 0xFFFFFFFFULL) { PyErr_SetString(PyExc_OverflowError, "token out of range"); goto fail; }
-            v = x;
-        }
-        off += put_uint(p + off, v);
-    }
-    st[nblocks] = off;
-    if (have_view) PyBuffer_Release(&view);
-    Py_XDECREF(seq);
-    if (_PyBytes_Resize(&buf, off) < 0) { Py_DECREF(starts); return NULL; }
-    return Py_BuildValue("(NN)", buf, starts);
-fail:
-    if (have_view) PyBuffer_Release(&view);
-    Py_XDECREF(seq); Py_XDECREF(buf); Py_XDECREF(starts);
-    return NULL;
-}
-
-
 /* ---- token input ----------------------------------------------------------------- */
 
-/* Copy the first ntok tokens of obj into out (uint32). -1 + OverflowError/TypeError on failure. */
-static int tokens_u32(PyObject *obj, Py_ssize_t *n_out, uint32_t **out) {
-    Py_buffer view;
-    *out = NULL;
-    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
-        const char *f = view.format ? view.format : "B";
+/* One int object -> uint32, or -1 with OverflowError (outside [0, 2**32)) / TypeError. */
+static inline int long_u32(PyObject *x, uint32_t *v) {
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyLong_CheckExact(x)) {
+        Py_ssize_t size = Py_SIZE(x);
+        if (size == 1) { *v = (uint32_t)((PyLongObject *)x)->ob_digit[0]; return 0; }
+        if (size == 0) { *v = 0; return 0; }
+    }
+#else
+    if (PyLong_CheckExact(x) && PyUnstable_Long_IsCompact((PyLongObject *)x)) {
+        Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)x);
+        if (c >= 0 && c <= 0xFFFFFFFFLL) { *v = (uint32_t)c; return 0; }
+    }
+#endif
+    unsigned long long y = PyLong_AsUnsignedLongLong(x);
+    if (y == (unsigned long long)-1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError) && !PyErr_ExceptionMatches(PyExc_ValueError)
+            && !PyErr_ExceptionMatches(PyExc_TypeError))
+            return -1;
+        PyErr_Clear();
+    } else if (y <= 0xFFFFFFFFULL) {
+        *v = (uint32_t)y;
+        return 0;
+    }
+    PyErr_SetString(PyExc_OverflowError, "token out of range");
+    return -1;
+}
+
+/* The first n_max (all if < 0) tokens of obj as uint32: *out points either into
+ * *view (a uint32 buffer, *view_held = 1; release it) or at a PyMem block (*owned;
+ * free it). -1 + OverflowError/TypeError on failure. */
+static int tokens_u32(PyObject *obj, Py_ssize_t n_max, Py_ssize_t *n_out, const uint32_t **out, uint32_t **owned,
+                      Py_buffer *view, int *view_held) {
+    *out = NULL; *owned = NULL; *view_held = 0;
+    if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+        const char *f = view->format ? view->format : "B";
         if (*f == '<' || *f == '=' || *f == '@') f++;
         int kind = 0;
-        if (view.itemsize == 8 && (*f == 'l' || *f == 'q')) kind = 8;
-        else if (view.itemsize == 4 && (*f == 'I' || *f == 'L')) kind = 4;
+        if (view->itemsize == 8 && (*f == 'l' || *f == 'q')) kind = 8;
+        else if (view->itemsize == 4 && (*f == 'I' || *f == 'L')) kind = 4;
+        else if (view->itemsize == 4 && (*f == 'i' || *f == 'l')) kind = -4;
         if (kind) {
-            Py_ssize_t n = view.len / view.itemsize;
+            Py_ssize_t n = view->len / view->itemsize;
+            if (n_max >= 0 && n > n_max) n = n_max;
+            *n_out = n;
+            if (kind == 4) { *out = (const uint32_t *)view->buf; *view_held = 1; return 0; }
             uint32_t *o = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
-            if (!o) { PyBuffer_Release(&view); PyErr_NoMemory(); return -1; }
-            if (kind == 4) {
-                memcpy(o, view.buf, (size_t)n * sizeof(uint32_t));
+            if (!o) { PyBuffer_Release(view); PyErr_NoMemory(); return -1; }
+            int bad = 0;
+            if (kind == 8) {
+                const int64_t *src = (const int64_t *)view->buf;
+                for (Py_ssize_t i = 0; i < n; i++) { bad |= src[i] < 0 || src[i] > 0xFFFFFFFFLL; o[i] = (uint32_t)src[i]; }
             } else {
-                const int64_t *src = (const int64_t *)view.buf;
-                for (Py_ssize_t i = 0; i < n; i++) {
-                    if (src[i] < 0 || src[i] > 0xFFFFFFFFLL) {
-                        PyMem_Free(o); PyBuffer_Release(&view);
-                        PyErr_SetString(PyExc_OverflowError, "token out of range"); return -1;
-                    }
-                    o[i] = (uint32_t)src[i];
-                }
+                const int32_t *src = (const int32_t *)view->buf;
+                for (Py_ssize_t i = 0; i < n; i++) { bad |= src[i] < 0; o[i] = (uint32_t)src[i]; }
             }
-            PyBuffer_Release(&view);
-            *n_out = n; *out = o;
+            PyBuffer_Release(view);
+            if (bad) { PyMem_Free(o); PyErr_SetString(PyExc_OverflowError, "token out of range"); return -1; }
+            *out = o; *owned = o;
             return 0;
         }
-        PyBuffer_Release(&view);
+        PyBuffer_Release(view);
     } else {
         PyErr_Clear();
     }
     PyObject *seq = PySequence_Fast(obj, "tokens must be a sequence of ints");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n_max >= 0 && n > n_max) n = n_max;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint32_t *o = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
     if (!o) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long x = PyLong_AsUnsignedLongLong(items[i]);
-        if ((x == (unsigned long long)-1 && PyErr_Occurred()) || x > 0xFFFFFFFFULL) {
-            PyErr_Clear(); PyErr_SetString(PyExc_OverflowError, "token out of range");
-            PyMem_Free(o); Py_DECREF(seq); return -1;
-        }
-        o[i] = (uint32_t)x;
+        if (long_u32(items[i], &o[i]) < 0) { PyMem_Free(o); Py_DECREF(seq); return -1; }
     }
     Py_DECREF(seq);
-    *n_out = n; *out = o;
+    *n_out = n; *out = o; *owned = o;
     return 0;
+}
+
+/* ---- CBOR unsigned ints ------------------------------------------------------------- */
+
+/* Canonical CBOR of t[0:n] (uint(v): 1, 2, 3 or 5 bytes) at q; returns the end.
+ * Branch-free: one 8-byte store per token, so q needs 7 writable bytes of slack. */
+static unsigned char *enc_scalar(unsigned char *q, const uint32_t *t, Py_ssize_t n) {
+    static const uint64_t head[6] = {0, 0, 0x18, 0x19, 0, 0x1a};
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint32_t v = t[i];
+        unsigned w = 1u + (v >= 24) + (v >= 256) + 2u * (v >= 65536);
+        uint64_t be = (uint64_t)__builtin_bswap32(v);         /* bytes b3 b2 b1 b0 */
+        uint64_t word = head[w] | ((be >> (8 * (5 - w))) << 8); /* w - 1 value bytes after the head */
+        word |= (uint64_t)(-(int64_t)(v < 24)) & v;             /* w == 1: the value is the head */
+        /* little-endian byte order of word == the bytes to write */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+        word = __builtin_bswap64(word);
+#endif
+        memcpy(q, &word, 8);
+        q += w;
+    }
+    return q;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_X86_CODE 1
+#define SIMD_TARGET __attribute__((target("avx2,avx512f,avx512bw,avx512vl,avx512vbmi2")))
+
+/* As enc_scalar, 8 tokens at a time: each token becomes an 8-byte lane [head, big-endian
+ * value bytes], and a byte compress-store keeps the first w bytes of each lane. No slack
+ * needed beyond what enc_scalar needs for the last (n % 8) tokens. */
+SIMD_TARGET static unsigned char *enc_simd(unsigned char *q, const uint32_t *t, Py_ssize_t n) {
+    const __m512i one = _mm512_set1_epi64(1), two = _mm512_set1_epi64(2), five = _mm512_set1_epi64(5);
+    const __m512i c24 = _mm512_set1_epi64(24), c256 = _mm512_set1_epi64(256), c64k = _mm512_set1_epi64(65536);
+    const __m512i heads = _mm512_set_epi64(0, 0, 0x1a, 0, 0x19, 0x18, 0, 0); /* by width */
+    const __m512i ones = _mm512_set1_epi64(-1), eight = _mm512_set1_epi64(8);
+    /* per 8-byte lane: [0, b3, b2, b1, b0, 0, 0, 0] from the little-endian value b0 b1 b2 b3 */
+    const __m512i bswap = _mm512_set_epi8(
+        -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, 0, 1, 2, 3, -1,
+        -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 8, 9, 10, 11, -1, -1, -1, -1, 0, 1, 2, 3, -1);
+    Py_ssize_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m512i v = _mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i *)(t + i)));
+        __mmask8 g24 = _mm512_cmpge_epu64_mask(v, c24);
+        __mmask8 g256 = _mm512_cmpge_epu64_mask(v, c256);
+        __mmask8 g64k = _mm512_cmpge_epu64_mask(v, c64k);
+        __m512i w = _mm512_mask_add_epi64(one, g24, one, one);
+        w = _mm512_mask_add_epi64(w, g256, w, one);
+        w = _mm512_mask_add_epi64(w, g64k, w, two);
+        __m512i be = _mm512_srli_epi64(_mm512_shuffle_epi8(v, bswap), 8);
+        __m512i word = _mm512_slli_epi64(_mm512_srlv_epi64(be, _mm512_slli_epi64(_mm512_sub_epi64(five, w), 3)), 8);
+        word = _mm512_or_si512(word, _mm512_permutexvar_epi64(w, heads));
+        word = _mm512_mask_mov_epi64(word, (__mmask8)~g24, v);
+        __m512i keep = _mm512_srlv_epi64(ones, _mm512_slli_epi64(_mm512_sub_epi64(eight, w), 3));
+        __mmask64 km = _mm512_test_epi8_mask(keep, keep);
+        _mm512_mask_compressstoreu_epi8(q, km, word);
+        q += __builtin_popcountll(km);
+    }
+    return enc_scalar(q, t + i, n - i);
+}
+
+static int cpu_has_simd_encoder(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi2");
+}
+#else
+static int cpu_has_simd_encoder(void) { return 0; }
+#endif
+
+typedef unsigned char *(*enc_fn)(unsigned char *q, const uint32_t *t, Py_ssize_t n);
+static int have_simd_encoder = 0;
+
+static enc_fn pick_encoder(int portable) {
+#ifdef HAVE_X86_CODE
+    if (have_simd_encoder && !portable) return enc_simd;
+#endif
+    return enc_scalar;
+}
+
+static PyObject *encode(PyObject *self, PyObject *args, PyObject *kwargs) {
+    static char *kwlist[] = {"tokens", "unit", "portable", NULL};
+    PyObject *obj; Py_ssize_t unit; int portable = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|p", kwlist, &obj, &unit, &portable)) return NULL;
+    if (unit <= 0) { PyErr_SetString(PyExc_ValueError, "unit must be positive"); return NULL; }
+    Py_ssize_t n; const uint32_t *tok; uint32_t *owned; Py_buffer view; int view_held;
+    if (tokens_u32(obj, -1, &n, &tok, &owned, &view, &view_held) < 0) return NULL;
+    Py_ssize_t nblocks = n / unit, ntok = nblocks * unit;
+    PyObject *buf = PyBytes_FromStringAndSize(NULL, ntok * 5 + 8);
+    PyObject *starts = PyBytes_FromStringAndSize(NULL, (nblocks + 1) * (Py_ssize_t)sizeof(int64_t));
+    if (!buf || !starts) goto fail;
+    unsigned char *p = (unsigned char *)PyBytes_AS_STRING(buf), *q = p;
+    int64_t *st = (int64_t *)PyBytes_AS_STRING(starts);
+    enc_fn enc = pick_encoder(portable);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t b = 0; b < nblocks; b++) {
+        st[b] = q - p;
+        q = enc(q, tok + b * unit, unit);
+    }
+    st[nblocks] = q - p;
+    Py_END_ALLOW_THREADS
+    if (view_held) PyBuffer_Release(&view);
+    PyMem_Free(owned);
+    if (_PyBytes_Resize(&buf, q - p) < 0) { Py_DECREF(starts); return NULL; }
+    return Py_BuildValue("(NN)", buf, starts);
+fail:
+    if (view_held) PyBuffer_Release(&view);
+    PyMem_Free(owned);
+    Py_XDECREF(buf); Py_XDECREF(starts);
+    return NULL;
 }
 
 /* Canonical CBOR head for (major, n) at p; returns its length. */
@@ -282,10 +356,11 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) 
                                      &portable))
         return NULL;
     PyObject *result = NULL;
-    uint32_t *tok = NULL; unsigned char *msg = NULL, *digests = NULL;
+    const uint32_t *tok = NULL; uint32_t *owned = NULL; unsigned char *msg = NULL, *digests = NULL;
+    Py_buffer view; int view_held = 0;
     if (unit <= 0) { PyErr_SetString(PyExc_ValueError, "unit must be positive"); goto done; }
     Py_ssize_t n;
-    if (tokens_u32(obj, &n, &tok) < 0) goto done;
+    if (tokens_u32(obj, -1, &n, &tok, &owned, &view, &view_held) < 0) goto done;
     Py_ssize_t nblocks = n / unit;
     size_t plen = (size_t)(parent.len > 32 ? parent.len : 32);
     size_t tlen = (size_t)(tail0.len > tail1.len ? tail0.len : tail1.len);
@@ -297,6 +372,7 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) 
 #ifdef HAVE_SHANI_CODE
     if (have_sha_ni && !portable) fn = sha256_blocks_shani;
 #endif
+    enc_fn enc = pick_encoder(portable);
     Py_BEGIN_ALLOW_THREADS
     unsigned char arr_head[9];
     Py_ssize_t arr_len = put_head(arr_head, 4, (uint64_t)unit);
@@ -311,17 +387,7 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) 
             memcpy(q, digests + 32 * (b - 1), 32); q += 32;
         }
         memcpy(q, arr_head, (size_t)arr_len); q += arr_len;
-        const uint32_t *t = tok + b * unit;
-        for (Py_ssize_t i = 0; i < unit; i++) {
-            uint32_t v = t[i];
-            if (v < 24) { *q++ = (unsigned char)v; }
-            else if (v < 256) { q[0] = 0x18; q[1] = (unsigned char)v; q += 2; }
-            else if (v < 65536) { q[0] = 0x19; q[1] = (unsigned char)(v >> 8); q[2] = (unsigned char)v; q += 3; }
-            else {
-                q[0] = 0x1a; q[1] = (unsigned char)(v >> 24); q[2] = (unsigned char)(v >> 16);
-                q[3] = (unsigned char)(v >> 8); q[4] = (unsigned char)v; q += 5;
-            }
-        }
+        q = enc(q, tok + b * unit, unit);
         const Py_buffer *tail = b == 0 ? &tail0 : &tail1;
         memcpy(q, tail->buf, (size_t)tail->len); q += tail->len;
         sha256_padded(fn, msg, (size_t)(q - msg), digests + 32 * b);
@@ -335,18 +401,23 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) 
         PyList_SET_ITEM(result, b, d);
     }
 done:
-    PyMem_Free(tok); PyMem_Free(msg); PyMem_Free(digests);
+    if (view_held) PyBuffer_Release(&view);
+    PyMem_Free(owned); PyMem_Free(msg); PyMem_Free(digests);
     PyBuffer_Release(&parent); PyBuffer_Release(&tail0); PyBuffer_Release(&tail1);
     return result;
 }
 
 static PyObject *py_has_sha_ni(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_sha_ni); }
 
+static PyObject *py_has_simd_encoder(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_simd_encoder); }
+
 static PyMethodDef methods[] = {
-    {"encode", encode, METH_VARARGS, "encode(tokens, unit) -> (bytes, int64 block starts as bytes)"},
+    {"encode", (PyCFunction)(void (*)(void))encode, METH_VARARGS | METH_KEYWORDS,
+     "encode(tokens, unit, portable=False) -> (bytes, int64 block starts as bytes)"},
     {"sha256_chain", (PyCFunction)(void (*)(void))sha256_chain, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain(tokens, unit, parent, tail_first, tail_rest, portable=False) -> list of 32-byte digests"},
     {"has_sha_ni", py_has_sha_ni, METH_NOARGS, "whether sha256_chain uses the CPU's SHA extensions"},
+    {"has_simd_encoder", py_has_simd_encoder, METH_NOARGS, "whether token ids are encoded with AVX-512 VBMI2"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -354,5 +425,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cbor_tokens", NULL,
 
 PyMODINIT_FUNC PyInit__cbor_tokens(void) {
     have_sha_ni = cpu_has_sha_ni();
+    have_simd_encoder = cpu_has_simd_encoder();
     return PyModule_Create(&module);
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import cbor2
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpd import hashing
-from hybridpd.hashing import DEFAULT_HASH_SEED, BlockHasher, HashAlgo, default_seed
+from hybridpd.hashing import DEFAULT_HASH_SEED, BlockHash, BlockHasher, HashAlgo, default_seed
 
 
 def reference_chain(
@@ -80,10 +81,14 @@ def test_fast_chain_equals_cbor2_reference(
     finally:
         hashing._c_encoder = saved
     if algo is HashAlgo.SHA256_CBOR and saved is not None:
-        # the one-call C chain, on SHA-NI (where the CPU has it) and portable C
+        # the one-call C chain, on SHA-NI + the AVX-512 encoder (where the CPU has them)
+        # and on portable C (scalar encoder); int32 buffers where the tokens fit
         tails = [cbor2.dumps(hasher.extra_keys(i, salt, adapter), canonical=True) for i in (0, 1)]
         for portable in (False, True):
             assert saved.sha256_chain(tokens, unit, hasher.none_hash, *tails, portable=portable) == want
+            if all(t < 2**31 for t in tokens):
+                arr32 = np.asarray(tokens, dtype=np.int32)
+                assert saved.sha256_chain(arr32, unit, hasher.none_hash, *tails, portable=portable) == want
         # and C encoding + one hashlib call per block (no SHA-NI)
         saved_ok = hashing._c_chain_ok
         hashing._c_chain_ok = lambda: False
@@ -93,10 +98,49 @@ def test_fast_chain_equals_cbor2_reference(
             hashing._c_chain_ok = saved_ok
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(
+        st.one_of(st.integers(0, 23), st.integers(0, 300), st.integers(0, 70_000), st.integers(0, 2**32 - 1)),
+        max_size=300,
+    ),
+    unit=st.sampled_from([1, 5, 8, 16, 64, 128]),
+)
+def test_c_encoders_equal_numpy(tokens: list[int], unit: int) -> None:
+    """Both C token encoders (AVX-512 VBMI2 where the CPU has it, branch-free scalar)
+    give the numpy encoder's bytes, for lists and uint32/int64 buffers."""
+    c = hashing._c_encoder
+    if c is None:
+        pytest.skip("C encoder not built")
+    full = tokens[: len(tokens) // unit * unit]
+    buf, offs = hashing._encode_uints(np.asarray(full, dtype=np.int64))
+    for portable in (False, True):
+        for toks in (tokens, np.asarray(tokens, dtype=np.uint32), np.asarray(tokens, dtype=np.int64)):
+            got, starts = c.encode(toks, unit, portable=portable)
+            assert got == buf
+            assert np.frombuffer(starts, dtype=np.int64).tolist() == offs[::unit].tolist()
+
+
+def test_c_token_input_kinds() -> None:
+    """Lists of ints of every size class and numpy scalars; out-of-range tokens
+    fall back to the cbor2 path."""
+    hasher = BlockHasher(unit=4, seed="k")
+    cases: list[list[Any]] = [
+        [0, 1, 2**30 - 1, 2**30, 2**31, 2**32 - 1, 23, 24],  # 1- and 2-digit ints
+        [np.int64(5), np.uint32(6), 7, 8],
+        [1, 2, 3, -1],
+        [1, 2, 3, 2**32],
+        [1, 2, 3, 2**70],
+    ]
+    for toks in cases:
+        want = reference_chain([int(t) for t in toks], 4, HashAlgo.SHA256_CBOR, "k")
+        assert hasher.chain(toks) == want, toks
+
+
 def test_c_encoder_is_built() -> None:
     # make test builds it (pip install -e .); numpy is only the fallback
     assert hashing._c_encoder is not None
-    assert hasattr(hashing._c_encoder, "sha256_chain"), "stale build: rerun make bootstrap"
+    assert hasattr(hashing._c_encoder, "has_simd_encoder"), "stale build: rerun make bootstrap"
 
 
 def test_c_chain_long_prompt_and_parent() -> None:
@@ -106,7 +150,7 @@ def test_c_chain_long_prompt_and_parent() -> None:
     want = reference_chain(toks, 128, HashAlgo.SHA256_CBOR, "long", "salt")
     assert hasher.chain(toks, cache_salt="salt") == want
     assert hasher.chain(np.asarray(toks, dtype=np.int64), cache_salt="salt") == want
-    rest = hasher.chain(toks[128 * 10 :], cache_salt="salt", parent=want[9], first_block_index=10)
+    rest = hasher.chain(toks[128 * 10 :], cache_salt="salt", parent=BlockHash(want[9]), first_block_index=10)
     assert rest == want[10:]
 
 
