@@ -4,8 +4,9 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]
 #
 # Uses the machine's own python3 with torch+CUDA. Python packages it lacks
-# (pydantic, cbor2) travel as wheels in .whl/ (see README "GPU tier" for the
-# pip download line). Runs tests/gpu, then bench.gpu_check in
+# (pydantic, cbor2) travel as wheels in .whl/, fetched beforehand on a machine with
+# network: pip download --only-binary=:all: --python-version 3.11 -d .whl pydantic cbor2
+# Runs tests/gpu, then bench.gpu_check in
 # fp32 and bf16: the tiny hybrid on CUDA with prefix caching and EAGLE, printing
 # hit tokens, acceptance length, TTFT and token equality with a plain run.
 # Every step runs even when an earlier one fails; the exit status is the worst.

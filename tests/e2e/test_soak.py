@@ -1,5 +1,5 @@
 """The soak harness itself, briefly, on the session stack (the 10-minute run is
-`hybridpd bench soak`; its numbers are in the README)."""
+`hybridpd bench soak`; its numbers are in bench/README.md)."""
 
 from __future__ import annotations
 
