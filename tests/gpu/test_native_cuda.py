@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from hybridpd.engine.base import RequestOutput
+from hybridpd.engine.native.engine import NativeEngine
 from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
 
 pytestmark = pytest.mark.gpu
@@ -32,5 +34,35 @@ def test_cuda_handoff_buffers_are_on_device() -> None:
     eng.add_request(req("h", prompt(200, 3), 4), prefill_only=True)
     while eng.has_work():
         eng.step()
-    handoff = eng.handoffs.pop("h")
-    assert all(b.is_cuda for b in handoff.buffers())
+    fetched = eng.take_handoff("h")
+    assert fetched is not None
+    assert all(b.is_cuda for b in fetched.handoff.buffers())
+
+
+def test_cuda_handoff_over_nixl_continues_the_request() -> None:
+    """The engine boundary's P/D path on CUDA: NIXL reads VRAM into VRAM."""
+    r = req("n", prompt(300, 4), 8)
+    want = make_engine(device="cuda", enable_prefix_caching=False).generate([r])["n"]
+    prefill = make_engine(device="cuda", role="prefill", instance="gpu-prefill")
+    decode = make_engine(device="cuda", role="decode", instance="gpu-decode")
+    try:
+        prefill.add_request(r, prefill_only=True)
+        first = [t for o in _drain(prefill) for t in o.new_token_ids]
+        ticket = prefill.pop_handoff("n")
+        assert ticket is not None
+        fetched = decode.fetch_handoff(r, ticket)
+        assert all(b.is_cuda for b in fetched.handoff.buffers())
+        decode.add_handoff(r, fetched)
+        assert first + [t for o in _drain(decode) for t in o.new_token_ids] == want
+        assert_no_leaks(prefill)
+        assert_no_leaks(decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _drain(eng: NativeEngine) -> list[RequestOutput]:
+    outs = []
+    while eng.has_work():
+        outs.extend(eng.step())
+    return outs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from hybridpd.engine.base import CacheEventKind
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.hashing import BlockHash
 
@@ -57,3 +58,68 @@ def test_double_free_raises() -> None:
     pool.free(b)
     with pytest.raises(RuntimeError):
         pool.free(b)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[CacheEventKind, BlockHash]] = []
+
+    def __call__(self, kind: CacheEventKind, block_hash: BlockHash) -> None:
+        self.events.append((kind, block_hash))
+
+
+def test_events_name_exactly_the_evicted_hashes() -> None:
+    rec = Recorder()
+    pool = BlockPool(4, rec)
+    cached: list[BlockHash] = []
+    for p in range(5):  # distinct "prompts" of 2 blocks each: past capacity from the 3rd
+        blocks = pool.allocate(2)
+        assert blocks is not None
+        for i, b in enumerate(blocks):
+            assert pool.cache(b, h(10 * p + i))
+            cached.append(h(10 * p + i))
+        pool.free(reversed(blocks))
+    stored = [x for k, x in rec.events if k is CacheEventKind.STORED]
+    removed = [x for k, x in rec.events if k is CacheEventKind.REMOVED]
+    assert stored == cached
+    # tail-first frees: prompt p's 2nd block is evicted before its 1st
+    assert removed == [h(1), h(0), h(11), h(10), h(21), h(20)]
+    assert set(removed) == set(cached) - set(pool.cached)
+    pool.check_consistent()
+
+
+def test_a_hash_stored_again_after_eviction_is_stored_again() -> None:
+    rec = Recorder()
+    pool = BlockPool(2, rec)
+    a = pool.allocate(2)
+    assert a == [0, 1]
+    pool.cache(0, h(1))
+    pool.free(a)
+    b = pool.allocate(2)  # evicts h(1)
+    assert b is not None
+    pool.cache(b[0], h(1))
+    assert rec.events == [
+        (CacheEventKind.STORED, h(1)),
+        (CacheEventKind.REMOVED, h(1)),
+        (CacheEventKind.STORED, h(1)),
+    ]
+
+
+def test_no_event_without_a_change() -> None:
+    rec = Recorder()
+    pool = BlockPool(3, rec)
+    pool.allocate(3)
+    assert pool.cache(0, h(5))
+    assert pool.cache(0, h(5))  # same slot, same hash: nothing changes
+    assert not pool.cache(1, h(5))  # another slot holds it: refused, nothing changes
+    assert pool.cache(0, h(6))  # re-key: h(5) leaves, h(6) enters
+    pool.uncache(h(6))
+    pool.uncache(h(6))  # already gone
+    pool.free([0, 1, 2])
+    assert pool.allocate(3) is not None  # nothing cached: no evictions to report
+    assert rec.events == [
+        (CacheEventKind.STORED, h(5)),
+        (CacheEventKind.REMOVED, h(5)),
+        (CacheEventKind.STORED, h(6)),
+        (CacheEventKind.REMOVED, h(6)),
+    ]
