@@ -2,34 +2,73 @@
 -- instance's local hit, under the hybrid rule (see hybridpd/checkpoints.py).
 --
 -- ARGV[1] key prefix "hpd:<model>:"   ARGV[2] num_tokens   ARGV[3] unit
--- ARGV[4] "1" if EAGLE drops the last block   ARGV[5..] chain hashes (raw bytes)
+-- ARGV[4] "1" if EAGLE drops the last block
+-- ARGV[5] the chain as store KV keys, concatenated: prefix.."kv:"..h_1, prefix.."kv:"..h_2, ...
+--         (one string; all hashes have the length ARGV[6])
 -- Returns {store_hit, inst_1, hit_1, inst_2, hit_2, ...} (hits in tokens).
 --
--- Cost: per group, the leading run of KV blocks is read in MGET/HMGET chunks
--- of CHUNK hashes and stops at the first absent one (a miss costs one chunk,
--- not the whole chain); then single probes for state from the top of that run
--- downwards (the deepest checkpoint is usually found in a probe or two).
+-- Cost: per group, the leading run of KV blocks is read in chunks of CHUNK
+-- hashes and stops at the first absent one (a miss costs one chunk, not the
+-- whole chain): store keys with EXISTS (a count: every key present or not;
+-- MGET only for the chunk that has the first absent one), instance hashes
+-- with HMGET. Then single probes for state from the top of that run downwards
+-- (the deepest checkpoint is usually found in a probe or two).
+--
+-- NOTE: at 1,281 blocks the script's time is per-block work inside Redis
+-- (Lua strings, argument objects, dict probes). One argument instead of 1,281
+-- saves Redis parsing them and building ARGV; the keys arrive ready-made, so
+-- a store probe is one string.sub and no concatenation; an instance probe
+-- reuses the hash cut out once for all instances.
 local prefix = ARGV[1]
 local n_tokens = tonumber(ARGV[2])
 local unit = tonumber(ARGV[3])
 local eagle = ARGV[4] == "1"
-local n = #ARGV - 4
+local keys = ARGV[5]
+local hlen = tonumber(ARGV[6])
+local CHUNK = 128
+local sub = string.sub
+local plen = #prefix + 3 -- #(prefix .. "kv:")
+local stride = plen + hlen
+local n = math.floor(#keys / stride)
 local cap = math.min(n, math.floor((n_tokens - 1) / unit))
 if cap < 0 then cap = 0 end
-local CHUNK = 128
 
--- length of the leading run of present entries among hashes 1..cap;
--- probe(first, last) returns presence for hashes first..last (index 1 = first)
-local function leading(probe)
+-- H[i]: hash i (raw bytes), cut out on first use
+local H = {}
+local cut = 0
+local function hashes_upto(last)
+  for i = cut + 1, last do
+    local o = (i - 1) * stride + plen
+    H[i] = sub(keys, o + 1, o + hlen)
+  end
+  if last > cut then cut = last end
+end
+local function hash_at(i)
+  local o = (i - 1) * stride + plen
+  return H[i] or sub(keys, o + 1, o + hlen)
+end
+
+-- index of the first false entry of t[1..m] (m + 1 if none)
+local function first_absent(t, m)
+  local j = 1
+  while j <= m and t[j] do j = j + 1 end
+  return j
+end
+
+-- Length of the leading run of present entries among hashes 1..cap.
+-- count(first, last) -> (number present among first..last, ctx);
+-- locate(m, ctx) -> index (1-based within the chunk) of its first absent entry.
+local function leading(count, locate)
   local lead = 0
   while lead < cap do
     local last = math.min(lead + CHUNK, cap)
-    local present = probe(lead + 1, last)
-    local j = 0
-    local m = last - lead
-    while j < m and present[j + 1] do j = j + 1 end
-    lead = lead + j
-    if j < m then break end
+    local c, ctx = count(lead + 1, last)
+    if c == last - lead then
+      lead = last
+    else
+      lead = lead + locate(last - lead, ctx) - 1
+      break
+    end
   end
   if eagle and lead > 0 then lead = lead - 1 end
   return lead
@@ -37,14 +76,16 @@ end
 
 local result = {0}
 if cap > 0 then
-  local p = prefix .. "kv:"
   local lead = leading(function(first, last)
-    local keys = {}
-    for i = first, last do keys[i - first + 1] = p .. ARGV[4 + i] end
-    return redis.call("MGET", unpack(keys))
+    local k = {}
+    for i = first, last do k[i - first + 1] = sub(keys, (i - 1) * stride + 1, i * stride) end
+    -- EXISTS counts a key named twice twice: c == #k iff every one is present
+    return redis.call("EXISTS", unpack(k)), k
+  end, function(m, k)
+    return first_absent(redis.call("MGET", unpack(k)), m)
   end)
   for i = lead, 1, -1 do
-    if redis.call("EXISTS", prefix .. "st:" .. ARGV[4 + i]) == 1 then
+    if redis.call("EXISTS", prefix .. "st:" .. hash_at(i)) == 1 then
       result[1] = i * unit
       break
     end
@@ -59,11 +100,15 @@ for _, inst in ipairs(instances) do
     if cap > 0 then
       local lkv = prefix .. "lkv:" .. inst
       local lead = leading(function(first, last)
-        return redis.call("HMGET", lkv, unpack(ARGV, 4 + first, 4 + last))
+        hashes_upto(last)
+        local j = first_absent(redis.call("HMGET", lkv, unpack(H, first, last)), last - first + 1)
+        return j - 1, j
+      end, function(_, j)
+        return j
       end)
       local lst = prefix .. "lst:" .. inst
       for i = lead, 1, -1 do
-        if redis.call("HEXISTS", lst, ARGV[4 + i]) == 1 then
+        if redis.call("HEXISTS", lst, H[i]) == 1 then
           h = i * unit
           break
         end

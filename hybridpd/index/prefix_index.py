@@ -172,8 +172,9 @@ class PrefixIndex:
     # -- the lookup ------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
         """One EVALSHA: the store hit and each live instance's local hit."""
+        packed = _pack_lookup(self.keys, block_hashes, num_tokens, unit, eagle)
         with _mapped():
-            res = self._evalsha(*_pack_args([self.keys.prefix, num_tokens, unit, "1" if eagle else "0"], block_hashes))
+            res = self._evalsha(LOOKUP_ARGC, packed)
         inst = {res[i].decode(): int(res[i + 1]) for i in range(1, len(res), 2)}
         return LookupResult(int(res[0]), inst)
 
@@ -198,19 +199,23 @@ class PrefixIndex:
         raise AssertionError("unreachable")
 
 
-def _pack_args(head: Sequence[object], hashes: Sequence[bytes]) -> tuple[int, bytes]:
-    """``(argc, head + hashes as RESP bulk strings)``. Chain hashes share one
-    length, so one ``join`` packs them all."""
-    parts = [str(x).encode() if not isinstance(x, bytes) else x for x in head]
-    out = b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-    if hashes:
-        size = len(hashes[0])
-        if len(set(map(len, hashes))) == 1:
-            sep = b"$%d\r\n" % size
-            out += sep + (b"\r\n" + sep).join(hashes) + b"\r\n"
-        else:
-            out += b"".join(b"$%d\r\n%s\r\n" % (len(h), h) for h in hashes)
-    return len(parts) + len(hashes), out
+#: arguments of lookup.lua: prefix, num_tokens, unit, eagle, the chain's KV keys, hash length
+LOOKUP_ARGC = 6
+
+
+def _pack_lookup(keys: IndexKeys, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool) -> bytes:
+    """lookup.lua's arguments as RESP bulk strings. The chain goes as ONE string, its
+    store KV keys back to back (``prefix + "kv:" + h`` each; one ``join``): Redis
+    then parses 6 arguments instead of 1,285, and the script cuts keys and hashes
+    out of it at a fixed stride. ValueError if the hashes differ in length."""
+    size = len(hashes[0]) if hashes else 0
+    if hashes and len(set(map(len, hashes))) != 1:
+        raise ValueError("chain hashes must all have the same length")
+    kv = keys.kv(BlockHash(b""))
+    chain = kv + kv.join(hashes) if hashes else b""
+    parts = (keys.prefix.encode(), b"%d" % num_tokens, b"%d" % unit, b"1" if eagle else b"0")
+    head = b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+    return head + b"$%d\r\n" % len(chain) + chain + b"\r\n$%d\r\n%d\r\n" % (len(str(size)), size)
 
 
 def _raw(field: bytes | str) -> bytes:

@@ -20,11 +20,13 @@ key                        type    meaning
 
 Rules: store entries are published only after the store put succeeded, and
 deleted when a load finds the object missing or corrupt. A lookup is one
-EVALSHA of ``lookup.lua`` (the command is packed by hand: redis-py's generic
-packing of 1,286 arguments cost more than the lookup itself). The leading run
-of each group is read in chunks of MGET/HMGET and stops at the first absent
-block, so holes anywhere in a chain are handled exactly (tests compare with a
-brute-force reference) and a short hit costs a short scan.
+EVALSHA of ``lookup.lua`` (packed by hand: redis-py's generic packing cost
+more than the lookup itself); the chain travels as ONE argument, its store KV
+keys back to back, which the script cuts at a fixed stride (Redis parses 6
+arguments, not 1,285). The leading run of each group is read in chunks
+(EXISTS counts for store keys, HMGET for instance hashes) and stops at the
+first absent block, so holes anywhere in a chain are handled exactly (tests
+compare with a brute-force reference) and a short hit costs a short scan.
 
 For an external Redis set ``hash-max-ziplist-entries 64`` (``hash-max-listpack-
 entries`` on Redis 7+): instance hashes hold thousands of fields and a

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from hybridpd.checkpoints import longest_usable_hit
 from hybridpd.errors import UnavailableError
-from hybridpd.hashing import BlockHasher
+from hybridpd.hashing import BlockHash, BlockHasher, HashAlgo
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.store.client import CheckpointStore
@@ -118,6 +118,28 @@ def test_long_chain_lookup_equals_brute_force(
     }
 
 
+@pytest.mark.parametrize("algo", list(HashAlgo))
+def test_lookup_key_layout(redis_server: RedisServer, algo: HashAlgo) -> None:
+    """The script cuts keys and hashes out of one argument at a fixed stride: model
+    ids with multi-byte characters and colons, 16- and 32-byte hashes, a hash named
+    twice (EXISTS counts it twice), hashes of unequal length refused."""
+    index = PrefixIndex(redis_server.url, "mödel:%s:" % uuid.uuid4().hex[:6])
+    chain = BlockHasher(unit=UNIT, algo=algo, seed="layout").chain(list(range(200, 200 + 300 * UNIT)))
+    index.publish_store(chain[:250], chain[199], 200 * UNIT)
+    index.publish_local("i", chain[:140], [chain[129], chain[139]])
+    index.heartbeat("i", InstanceLoad())
+    got = index.lookup(chain, 300 * UNIT, UNIT, False)
+    assert (got.store_hit, got.instance_hits) == (200 * UNIT, {"i": 140 * UNIT})
+    assert index.lookup(chain, 300 * UNIT, UNIT, True).instance_hits == {"i": 130 * UNIT}
+    index.publish_store([], chain[129], 0)
+    dup = chain[:100] + chain[99:130] + chain[250:]  # 131 = one chunk and 3 blocks, then a hole
+    got = index.lookup(dup, len(dup) * UNIT, UNIT, False)
+    assert (got.store_hit, got.instance_hits) == (131 * UNIT, {"i": 131 * UNIT})
+    assert index.lookup([], 1, UNIT, False).store_hit == 0
+    with pytest.raises(ValueError):
+        index.lookup([chain[0], BlockHash(chain[1][:8])], 3 * UNIT, UNIT, False)
+
+
 def test_dead_instances_drop_out(redis_server: RedisServer) -> None:
     index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8], heartbeat_ttl_s=0.3)
     chain = HASHER.chain(list(range(40)))
@@ -138,6 +160,7 @@ def test_stale_entry_is_repaired(redis_server: RedisServer, mooncake_master: Moo
     toks = prompt(300, 31)
     eng.generate([req("w", toks, 1)])
     ((kv, state),) = eng.pop_exports()
+    assert state.key is not None
     store = CheckpointStore(mooncake_master.address, mooncake_master.metadata_url, eng.model_id)
     index = PrefixIndex(redis_server.url, eng.model_id + uuid.uuid4().hex[:6])
     try:
