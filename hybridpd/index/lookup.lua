@@ -7,7 +7,7 @@
 --         (one string; all hashes have the length ARGV[6])
 -- Returns {store_hit, inst_1, hit_1, inst_2, hit_2, ...} (hits in tokens).
 --
--- Cost: per group, the leading run of KV blocks is read in chunks of CHUNK
+-- Cost: per group, the leading run of KV blocks is read in chunks of ~30
 -- hashes and stops at the first absent one (a miss costs one chunk, not the
 -- whole chain): store keys with EXISTS (a count: every key present or not;
 -- MGET only for the chunk that has the first absent one), instance hashes
@@ -18,14 +18,17 @@
 -- (Lua strings, argument objects, dict probes). One argument instead of 1,281
 -- saves Redis parsing them and building ARGV; the keys arrive ready-made, so
 -- a store probe is one string.sub and no concatenation; an instance probe
--- reuses the hash cut out once for all instances.
+-- reuses the hash cut out once for all instances. Chunks fit Redis' cache of
+-- 32 argument objects per redis.call (command name included; keys up to 64
+-- bytes): no allocation per argument. 15-20 % faster than chunks of 128.
 local prefix = ARGV[1]
 local n_tokens = tonumber(ARGV[2])
 local unit = tonumber(ARGV[3])
 local eagle = ARGV[4] == "1"
 local keys = ARGV[5]
 local hlen = tonumber(ARGV[6])
-local CHUNK = 128
+local KV_CHUNK = 31    -- EXISTS k1..k31: 32 arguments
+local LOCAL_CHUNK = 30 -- HMGET key f1..f30: 32 arguments
 local sub = string.sub
 local plen = #prefix + 3 -- #(prefix .. "kv:")
 local stride = plen + hlen
@@ -58,10 +61,10 @@ end
 -- Length of the leading run of present entries among hashes 1..cap.
 -- count(first, last) -> (number present among first..last, ctx);
 -- locate(m, ctx) -> index (1-based within the chunk) of its first absent entry.
-local function leading(count, locate)
+local function leading(chunk, count, locate)
   local lead = 0
   while lead < cap do
-    local last = math.min(lead + CHUNK, cap)
+    local last = math.min(lead + chunk, cap)
     local c, ctx = count(lead + 1, last)
     if c == last - lead then
       lead = last
@@ -76,7 +79,7 @@ end
 
 local result = {0}
 if cap > 0 then
-  local lead = leading(function(first, last)
+  local lead = leading(KV_CHUNK, function(first, last)
     local k = {}
     for i = first, last do k[i - first + 1] = sub(keys, (i - 1) * stride + 1, i * stride) end
     -- EXISTS counts a key named twice twice: c == #k iff every one is present
@@ -99,7 +102,7 @@ for _, inst in ipairs(instances) do
     local h = 0
     if cap > 0 then
       local lkv = prefix .. "lkv:" .. inst
-      local lead = leading(function(first, last)
+      local lead = leading(LOCAL_CHUNK, function(first, last)
         hashes_upto(last)
         local j = first_absent(redis.call("HMGET", lkv, unpack(H, first, last)), last - first + 1)
         return j - 1, j

@@ -76,11 +76,13 @@ def _presence(run: int, toggles: set[int]) -> list[bool]:
     return [(i < run) != (i in toggles) for i in range(len(LONG))]
 
 
-_pos = st.one_of(st.integers(0, 419), st.sampled_from([0, 126, 127, 128, 129, 254, 255, 256, 257, 383, 384, 385]))
+# around the scan chunks' boundaries: 31 store keys, 30 instance hashes per call
+_EDGES = sorted({max(0, c * k + d) for c in (31, 30) for k in (1, 2, 4, 13) for d in (-1, 0, 1)})
+_pos = st.one_of(st.integers(0, 419), st.sampled_from([0, 419, *_EDGES]))
 _group = st.tuples(_pos, st.sets(_pos, max_size=4), st.sets(_pos, max_size=6))
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n_tokens=st.one_of(st.integers(1, 420 * UNIT + 3), st.just(420 * UNIT)),
     store=_group,
@@ -94,8 +96,8 @@ def test_long_chain_lookup_equals_brute_force(
     insts: list[tuple[int, set[int], set[int]]],
     eagle: bool,
 ) -> None:
-    """Chains longer than the lookup's scan chunk (128): runs ending in any
-    chunk, holes before and after the chunk boundaries, misses."""
+    """Chains of many of the lookup's scan chunks: runs ending in any chunk,
+    holes before and after the chunk boundaries, misses."""
     index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8])
     nb = min(n_tokens // UNIT, len(LONG))
     kv = _presence(store[0], store[1])
