@@ -47,7 +47,8 @@ def make_engine(
     if cfg.engine == "vllm":
         from hybridpd.engine.vllm.engine import VllmEngine
 
-        return VllmEngine(cfg, Path(resolve_model(cfg)), role, instance=instance, cache_events=cache_events, store=store)
+        model = Path(resolve_model(cfg))
+        return VllmEngine(cfg, model, role, instance=instance, cache_events=cache_events, store=store)
     from hybridpd.engine.native.engine import NativeEngine
 
     return NativeEngine(cfg, role=role, instance=instance, export_checkpoints=export_checkpoints)
