@@ -54,18 +54,41 @@ class TextTokenizer:
 
 class IncrementalDetokenizer:
     """Turns a growing list of ids into text deltas without splitting a
-    multi-byte character (held back until complete)."""
+    multi-byte character (held back until complete).
+
+    Each push decodes only a window: the ids from the start of the previous
+    delta on (context for spacing and merges), minus the text those context ids
+    decode to, so a long output costs O(length), not O(length^2). ``emitted``
+    is the whole text so far; ``tests/unit/test_tokenizer.py`` checks it equals
+    decoding every id at once."""
 
     def __init__(self, tokenizer: TextTokenizer) -> None:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.emitted = ""
+        self._prefix = 0  # window start: the previous delta's first id
+        self._read = 0  # ids before this are in ``emitted``
 
     def push(self, new_ids: Sequence[int]) -> str:
         self.ids.extend(new_ids)
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
+        text = self.tokenizer.decode(self.ids[self._prefix :])
+        if text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before):
+            if text.endswith("\ufffd") or text == before:
+                return ""  # an incomplete character (or nothing new): wait for more ids
+            return self._resync()
+        delta = text[len(before) :]
+        self.emitted += delta
+        self._prefix, self._read = self._read, len(self.ids)
+        return delta
+
+    def _resync(self) -> str:
+        """The window's text does not extend its context's (a merge across the
+        boundary): fall back to one full decode, exact by construction."""
         text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):
+        if text.endswith("\ufffd") or not text.startswith(self.emitted):
             return ""
         delta = text[len(self.emitted) :]
         self.emitted = text
+        self._prefix, self._read = self._read, len(self.ids)
         return delta
