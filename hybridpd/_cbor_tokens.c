@@ -18,6 +18,9 @@
  *   (compress-store) where the CPU has it, else branch-free scalar code;
  *   ``portable=True`` forces the portable SHA-256 and the scalar encoder (tests).
  *   OverflowError as for encode.
+ * join_prefixed(prefix, hashes) -> bytes
+ *   prefix + h_1 + prefix + h_2 + ...: the index lookup's chain argument
+ *   (ValueError unless every hash is bytes of one length).
  * has_sha_ni() -> bool
  * has_simd_encoder() -> bool
  *
@@ -61,11 +64,11 @@ static inline int long_u32(PyObject *x, uint32_t *v) {
     return -1;
 }
 
-/* The first n_max (all if < 0) tokens of obj as uint32: *out points either into
- * *view (a uint32 buffer, *view_held = 1; release it) or at a PyMem block (*owned;
- * free it). -1 + OverflowError/TypeError on failure. */
-static int tokens_u32(PyObject *obj, Py_ssize_t n_max, Py_ssize_t *n_out, const uint32_t **out, uint32_t **owned,
-                      Py_buffer *view, int *view_held) {
+/* The tokens of obj as uint32: *out points either into *view (a uint32 buffer,
+ * *view_held = 1; release it) or at a PyMem block (*owned; free it).
+ * -1 + OverflowError/TypeError on failure. */
+static int tokens_u32(PyObject *obj, Py_ssize_t *n_out, const uint32_t **out, uint32_t **owned, Py_buffer *view,
+                      int *view_held) {
     *out = NULL; *owned = NULL; *view_held = 0;
     if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
         const char *f = view->format ? view->format : "B";
@@ -76,7 +79,6 @@ static int tokens_u32(PyObject *obj, Py_ssize_t n_max, Py_ssize_t *n_out, const 
         else if (view->itemsize == 4 && (*f == 'i' || *f == 'l')) kind = -4;
         if (kind) {
             Py_ssize_t n = view->len / view->itemsize;
-            if (n_max >= 0 && n > n_max) n = n_max;
             *n_out = n;
             if (kind == 4) { *out = (const uint32_t *)view->buf; *view_held = 1; return 0; }
             uint32_t *o = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
@@ -101,7 +103,6 @@ static int tokens_u32(PyObject *obj, Py_ssize_t n_max, Py_ssize_t *n_out, const 
     PyObject *seq = PySequence_Fast(obj, "tokens must be a sequence of ints");
     if (!seq) return -1;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n_max >= 0 && n > n_max) n = n_max;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint32_t *o = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
     if (!o) { Py_DECREF(seq); PyErr_NoMemory(); return -1; }
@@ -198,7 +199,7 @@ static PyObject *encode(PyObject *self, PyObject *args, PyObject *kwargs) {
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "On|p", kwlist, &obj, &unit, &portable)) return NULL;
     if (unit <= 0) { PyErr_SetString(PyExc_ValueError, "unit must be positive"); return NULL; }
     Py_ssize_t n; const uint32_t *tok; uint32_t *owned; Py_buffer view; int view_held;
-    if (tokens_u32(obj, -1, &n, &tok, &owned, &view, &view_held) < 0) return NULL;
+    if (tokens_u32(obj, &n, &tok, &owned, &view, &view_held) < 0) return NULL;
     Py_ssize_t nblocks = n / unit, ntok = nblocks * unit;
     PyObject *buf = PyBytes_FromStringAndSize(NULL, ntok * 5 + 8);
     PyObject *starts = PyBytes_FromStringAndSize(NULL, (nblocks + 1) * (Py_ssize_t)sizeof(int64_t));
@@ -360,7 +361,7 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args, PyObject *kwargs) 
     Py_buffer view; int view_held = 0;
     if (unit <= 0) { PyErr_SetString(PyExc_ValueError, "unit must be positive"); goto done; }
     Py_ssize_t n;
-    if (tokens_u32(obj, -1, &n, &tok, &owned, &view, &view_held) < 0) goto done;
+    if (tokens_u32(obj, &n, &tok, &owned, &view, &view_held) < 0) goto done;
     Py_ssize_t nblocks = n / unit;
     size_t plen = (size_t)(parent.len > 32 ? parent.len : 32);
     size_t tlen = (size_t)(tail0.len > tail1.len ? tail0.len : tail1.len);
@@ -407,6 +408,37 @@ done:
     return result;
 }
 
+/* join_prefixed(prefix, hashes) -> bytes: prefix + h_1 + prefix + h_2 + ... (the
+ * lookup's one-argument chain); ValueError unless every hash is bytes of one length. */
+static PyObject *join_prefixed(PyObject *self, PyObject *args) {
+    Py_buffer prefix; PyObject *obj;
+    if (!PyArg_ParseTuple(args, "y*O", &prefix, &obj)) return NULL;
+    PyObject *out = NULL;
+    PyObject *seq = PySequence_Fast(obj, "hashes must be a sequence of bytes");
+    if (!seq) goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!PyBytes_Check(items[i]) || (i && PyBytes_GET_SIZE(items[i]) != size)) {
+            PyErr_SetString(PyExc_ValueError, "hashes must be bytes of one length");
+            goto done;
+        }
+        size = PyBytes_GET_SIZE(items[i]);
+    }
+    out = PyBytes_FromStringAndSize(NULL, n * (prefix.len + size));
+    if (!out) goto done;
+    char *q = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        memcpy(q, prefix.buf, (size_t)prefix.len); q += prefix.len;
+        memcpy(q, PyBytes_AS_STRING(items[i]), (size_t)size); q += size;
+    }
+done:
+    Py_XDECREF(seq);
+    PyBuffer_Release(&prefix);
+    return out;
+}
+
 static PyObject *py_has_sha_ni(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_sha_ni); }
 
 static PyObject *py_has_simd_encoder(PyObject *self, PyObject *unused) { return PyBool_FromLong(have_simd_encoder); }
@@ -416,6 +448,8 @@ static PyMethodDef methods[] = {
      "encode(tokens, unit, portable=False) -> (bytes, int64 block starts as bytes)"},
     {"sha256_chain", (PyCFunction)(void (*)(void))sha256_chain, METH_VARARGS | METH_KEYWORDS,
      "sha256_chain(tokens, unit, parent, tail_first, tail_rest, portable=False) -> list of 32-byte digests"},
+    {"join_prefixed", join_prefixed, METH_VARARGS,
+     "join_prefixed(prefix, hashes) -> prefix + h_1 + prefix + h_2 + ... (ValueError unless one length)"},
     {"has_sha_ni", py_has_sha_ni, METH_NOARGS, "whether sha256_chain uses the CPU's SHA extensions"},
     {"has_simd_encoder", py_has_simd_encoder, METH_NOARGS, "whether token ids are encoded with AVX-512 VBMI2"},
     {NULL, NULL, 0, NULL},

@@ -146,6 +146,19 @@ def _encode_blocks(tokens: Sequence[int] | np.ndarray, unit: int) -> tuple[bytes
     return buf, offs[::unit].tolist()
 
 
+def join_prefixed(prefix: bytes, hashes: Sequence[bytes]) -> bytes:
+    """``prefix + h_1 + prefix + h_2 + ...`` (the index lookup's chain argument);
+    ValueError unless the hashes are bytes of one length. In C when built (a
+    Python ``join`` of 1,281 hashes plus the length check costs ~0.1 ms)."""
+    if _c_encoder is not None and hasattr(_c_encoder, "join_prefixed"):
+        return bytes(_c_encoder.join_prefixed(prefix, hashes))
+    if not hashes:
+        return b""
+    if len({len(h) for h in hashes}) != 1 or not all(isinstance(h, bytes) for h in hashes):
+        raise ValueError("hashes must be bytes of one length")
+    return prefix + prefix.join(hashes)
+
+
 @dataclass(frozen=True, slots=True)
 class BlockHasher:
     """Computes block-hash chains for one (algorithm, unit, seed).

@@ -20,7 +20,7 @@ import redis
 
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.errors import UnavailableError
-from hybridpd.hashing import BlockHash
+from hybridpd.hashing import BlockHash, join_prefixed
 from hybridpd.index.schema import IndexKeys
 
 logger = logging.getLogger(__name__)
@@ -175,17 +175,18 @@ class PrefixIndex:
         packed = _pack_lookup(self.keys, block_hashes, num_tokens, unit, eagle)
         with _mapped():
             res = self._evalsha(LOOKUP_ARGC, packed)
-        inst = {res[i].decode(): int(res[i + 1]) for i in range(1, len(res), 2)}
-        return LookupResult(int(res[0]), inst)
+        return _result(res)
+
+    def _script_head(self, argc: int) -> bytes:
+        return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (argc + 3, self._lookup.sha.encode())
 
     def _evalsha(self, argc: int, packed: bytes) -> Any:
         """EVALSHA of the lookup script with ``argc`` pre-packed arguments (loads it on NOSCRIPT)."""
         for attempt in range(2):
-            head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (argc + 3, self._lookup.sha.encode())
             pool = self.r.connection_pool
             conn = pool.get_connection()
             try:
-                conn.send_packed_command([head, packed])
+                conn.send_packed_command([self._script_head(argc), packed])
                 return conn.read_response()
             except redis.exceptions.NoScriptError:
                 if attempt:
@@ -205,17 +206,25 @@ LOOKUP_ARGC = 6
 
 def _pack_lookup(keys: IndexKeys, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool) -> bytes:
     """lookup.lua's arguments as RESP bulk strings. The chain goes as ONE string, its
-    store KV keys back to back (``prefix + "kv:" + h`` each; one ``join``): Redis
+    store KV keys back to back (``prefix + "kv:" + h`` each, joined in C): Redis
     then parses 6 arguments instead of 1,285, and the script cuts keys and hashes
     out of it at a fixed stride. ValueError if the hashes differ in length."""
-    size = len(hashes[0]) if hashes else 0
-    if hashes and len(set(map(len, hashes))) != 1:
-        raise ValueError("chain hashes must all have the same length")
-    kv = keys.kv(BlockHash(b""))
-    chain = kv + kv.join(hashes) if hashes else b""
-    parts = (keys.prefix.encode(), b"%d" % num_tokens, b"%d" % unit, b"1" if eagle else b"0")
-    head = b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-    return head + b"$%d\r\n" % len(chain) + chain + b"\r\n$%d\r\n%d\r\n" % (len(str(size)), size)
+    chain = join_prefixed(keys.kv(BlockHash(b"")), hashes)
+    head = (keys.prefix, num_tokens, unit, "1" if eagle else "0")
+    out = [b"$%d\r\n%s\r\n" % (len(p), p) for p in map(_arg, head)]
+    out += (b"$%d\r\n" % len(chain), chain, b"\r\n")  # one copy of the chain, in the final join
+    size = b"%d" % (len(hashes[0]) if hashes else 0)
+    out.append(b"$%d\r\n%s\r\n" % (len(size), size))
+    return b"".join(out)
+
+
+def _arg(x: object) -> bytes:
+    return x if isinstance(x, bytes) else str(x).encode()
+
+
+def _result(res: Sequence[Any]) -> LookupResult:
+    inst = {res[i].decode(): int(res[i + 1]) for i in range(1, len(res), 2)}
+    return LookupResult(int(res[0]), inst)
 
 
 def _raw(field: bytes | str) -> bytes:

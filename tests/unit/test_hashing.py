@@ -137,6 +137,22 @@ def test_c_token_input_kinds() -> None:
         assert hasher.chain(toks) == want, toks
 
 
+def test_join_prefixed() -> None:
+    hs = [bytes([i]) * 32 for i in range(5)]
+    assert hashing.join_prefixed(b"p:", hs) == b"".join(b"p:" + h for h in hs)
+    assert hashing.join_prefixed(b"p:", []) == b""
+    saved = hashing._c_encoder
+    for enc in (saved, None):
+        hashing._c_encoder = enc
+        try:
+            assert hashing.join_prefixed(b"kv:", hs[:3]) == b"kv:" + hs[0] + b"kv:" + hs[1] + b"kv:" + hs[2]
+            for bad in ([hs[0], hs[1][:16]], [hs[0], "x" * 32]):
+                with pytest.raises(ValueError):
+                    hashing.join_prefixed(b"p:", bad)  # type: ignore[arg-type]
+        finally:
+            hashing._c_encoder = saved
+
+
 def test_c_encoder_is_built() -> None:
     # make test builds it (pip install -e .); numpy is only the fallback
     assert hashing._c_encoder is not None
