@@ -113,20 +113,7 @@ class NativeEngine:
         )
         self.kv_pool = self.cache.kv_pool
         self.state_pool = self.cache.state_pool
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                unit=self.unit,
-                mamba_block_size=cfg.mamba_block_size,
-                alignment=cfg.checkpoint_alignment,
-                eagle=cfg.eagle,
-                num_spec=cfg.num_speculative_tokens,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                max_num_seqs=cfg.max_num_seqs,
-                enable_caching=cfg.enable_prefix_caching,
-            ),
-            self.kv_pool,
-            self.state_pool,
-        )
+        self.scheduler = Scheduler(SchedulerConfig.of(cfg), self.kv_pool, self.state_pool)
         self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device)
         #: handoffs of finished prefill_only requests, until pop_handoff (another thread)
         self._handoffs: dict[str, Handoff] = {}

@@ -103,7 +103,12 @@ class ModelRunner:
     # -- the step --------------------------------------------------------------------
     def execute(self, scheduled: list[ScheduledWork]) -> list[StepRow]:
         """Propose EAGLE drafts, then run every request's share of the step in one
-        forward. Every scheduled request must have been ``start``ed."""
+        forward. Every scheduled request must have been ``start``ed.
+
+        NOTE: a Work's ``delta`` IS its request's state list: the forward leaves
+        each request's state after its last computed token in place (a decode
+        row's state after every token is in ``work.token_states``; ``accept``
+        picks the one of the last accepted token)."""
         drafts = self._propose(scheduled)
         rows: list[StepRow] = []
         for sw in scheduled:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridpd.checkpoints import longest_usable_hit, planned_checkpoint
+from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.model_config import KERNEL_CHUNK
@@ -83,6 +84,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_caching: bool
+
+    @classmethod
+    def of(cls, cfg: HybridPDConfig) -> SchedulerConfig:
+        return cls(
+            unit=cfg.prefix_match_unit,
+            mamba_block_size=cfg.mamba_block_size,
+            alignment=cfg.checkpoint_alignment,
+            eagle=cfg.eagle,
+            num_spec=cfg.num_speculative_tokens,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_num_seqs,
+            enable_caching=cfg.enable_prefix_caching,
+        )
 
 
 class Scheduler:

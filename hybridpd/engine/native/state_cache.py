@@ -2,7 +2,7 @@
 
 One slot holds the state of every delta layer after exactly ``pos`` tokens of
 some prefix, keyed by the chain hash of ``[0, pos)`` (never by a slot column:
-see ``NativeEngine._save_checkpoint``)::
+see ``PrefixCache.save_checkpoint``)::
 
     conv: [num_slots, n_delta, conv_kernel - 1, conv_dim]          fp32
     ssm:  [num_slots, n_delta, heads, key_dim, value_dim]          fp32
