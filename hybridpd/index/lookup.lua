@@ -60,7 +60,8 @@ end
 
 -- Length of the leading run of present entries among hashes 1..cap.
 -- count(first, last) -> (number present among first..last, ctx);
--- locate(m, ctx) -> index (1-based within the chunk) of its first absent entry.
+-- locate(first, m, ctx) -> index (1-based within the chunk first..first + m - 1)
+-- of its first absent entry.
 local function leading(chunk, count, locate)
   local lead = 0
   while lead < cap do
@@ -69,7 +70,7 @@ local function leading(chunk, count, locate)
     if c == last - lead then
       lead = last
     else
-      lead = lead + locate(last - lead, ctx) - 1
+      lead = lead + locate(lead + 1, last - lead, ctx) - 1
       break
     end
   end
@@ -77,15 +78,57 @@ local function leading(chunk, count, locate)
   return lead
 end
 
+-- EXISTS of the 31 store keys after byte offset o, spelled out: no table, no
+-- unpack (the generic path below costs ~35 % more per key)
+local function exists31(o)
+  return redis.call("EXISTS",
+    sub(keys, o + 0 * stride + 1, o + 1 * stride),
+    sub(keys, o + 1 * stride + 1, o + 2 * stride),
+    sub(keys, o + 2 * stride + 1, o + 3 * stride),
+    sub(keys, o + 3 * stride + 1, o + 4 * stride),
+    sub(keys, o + 4 * stride + 1, o + 5 * stride),
+    sub(keys, o + 5 * stride + 1, o + 6 * stride),
+    sub(keys, o + 6 * stride + 1, o + 7 * stride),
+    sub(keys, o + 7 * stride + 1, o + 8 * stride),
+    sub(keys, o + 8 * stride + 1, o + 9 * stride),
+    sub(keys, o + 9 * stride + 1, o + 10 * stride),
+    sub(keys, o + 10 * stride + 1, o + 11 * stride),
+    sub(keys, o + 11 * stride + 1, o + 12 * stride),
+    sub(keys, o + 12 * stride + 1, o + 13 * stride),
+    sub(keys, o + 13 * stride + 1, o + 14 * stride),
+    sub(keys, o + 14 * stride + 1, o + 15 * stride),
+    sub(keys, o + 15 * stride + 1, o + 16 * stride),
+    sub(keys, o + 16 * stride + 1, o + 17 * stride),
+    sub(keys, o + 17 * stride + 1, o + 18 * stride),
+    sub(keys, o + 18 * stride + 1, o + 19 * stride),
+    sub(keys, o + 19 * stride + 1, o + 20 * stride),
+    sub(keys, o + 20 * stride + 1, o + 21 * stride),
+    sub(keys, o + 21 * stride + 1, o + 22 * stride),
+    sub(keys, o + 22 * stride + 1, o + 23 * stride),
+    sub(keys, o + 23 * stride + 1, o + 24 * stride),
+    sub(keys, o + 24 * stride + 1, o + 25 * stride),
+    sub(keys, o + 25 * stride + 1, o + 26 * stride),
+    sub(keys, o + 26 * stride + 1, o + 27 * stride),
+    sub(keys, o + 27 * stride + 1, o + 28 * stride),
+    sub(keys, o + 28 * stride + 1, o + 29 * stride),
+    sub(keys, o + 29 * stride + 1, o + 30 * stride),
+    sub(keys, o + 30 * stride + 1, o + 31 * stride))
+end
+
 local result = {0}
 if cap > 0 then
-  local lead = leading(KV_CHUNK, function(first, last)
+  local function kv_keys(first, last)
     local k = {}
     for i = first, last do k[i - first + 1] = sub(keys, (i - 1) * stride + 1, i * stride) end
-    -- EXISTS counts a key named twice twice: c == #k iff every one is present
+    return k
+  end
+  -- EXISTS counts a key named twice twice: count == #keys iff every one is present
+  local lead = leading(KV_CHUNK, function(first, last)
+    if last - first + 1 == KV_CHUNK then return exists31((first - 1) * stride) end
+    local k = kv_keys(first, last)
     return redis.call("EXISTS", unpack(k)), k
-  end, function(m, k)
-    return first_absent(redis.call("MGET", unpack(k)), m)
+  end, function(first, m, k)
+    return first_absent(redis.call("MGET", unpack(k or kv_keys(first, first + m - 1))), m)
   end)
   for i = lead, 1, -1 do
     if redis.call("EXISTS", prefix .. "st:" .. hash_at(i)) == 1 then
@@ -106,7 +149,7 @@ for _, inst in ipairs(instances) do
         hashes_upto(last)
         local j = first_absent(redis.call("HMGET", lkv, unpack(H, first, last)), last - first + 1)
         return j - 1, j
-      end, function(_, j)
+      end, function(_, _, j)
         return j
       end)
       local lst = prefix .. "lst:" .. inst
