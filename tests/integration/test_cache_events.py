@@ -100,12 +100,13 @@ def test_native_eviction_is_published_one_step_later(redis_server: RedisServer) 
     claiming the evicted prefix for this instance (it fails if eviction events are dropped)."""
     from hybridpd.engine.native.engine import NativeEngine
 
-    cfg = load_config(env={}, overrides={"num_kv_blocks": 12, "prefix_match_unit": 16})
+    cfg = load_config(env={}, overrides={"num_kv_blocks": 16, "prefix_match_unit": 16})
     eng = NativeEngine(cfg, role="prefill", instance=NAME)
     index = PrefixIndex(redis_server.url, eng.model_id)
     w = PrefillWorker(cfg, NAME, redis_server.url, None, None, engine=eng)
     try:
-        reqs = [_req("n%d" % i, 10 + i, n=64) for i in range(4)]  # 4 full blocks each, 12 blocks in all
+        # 72 tokens: 5 blocks each (a checkpoint at 64 is this prompt's hit), 16 blocks in all
+        reqs = [_req("n%d" % i, 10 + i, n=72) for i in range(5)]
         claims = []
         for r in reqs:
             w.prefill(PrefillCommand(r))
@@ -113,11 +114,11 @@ def test_native_eviction_is_published_one_step_later(redis_server: RedisServer) 
                 real = [eng.local_hit(q.prompt_token_ids) for q in reqs]
             index.heartbeat(NAME, InstanceLoad())
             claimed = [
-                index.lookup(eng.hasher.chain(q.prompt_token_ids), 64, eng.unit, False).instance_hits.get(NAME, 0)
+                index.lookup(eng.hasher.chain(q.prompt_token_ids), 72, eng.unit, False).instance_hits.get(NAME, 0)
                 for q in reqs
             ]
-            assert claimed == real, (claimed, real)
             claims.append(claimed)
+            assert claimed == real, claims + [real]
         assert claims[0][0] > 0 and claims[-1][0] == 0, claims  # the first prompt was cached, then evicted
     finally:
         w.close()
