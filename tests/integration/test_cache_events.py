@@ -118,7 +118,7 @@ def test_native_eviction_is_published_one_step_later(redis_server: RedisServer) 
                 for q in reqs
             ]
             claims.append(claimed)
-            assert claimed == real, claims + [real]
+            assert claimed == real, [*claims, real]
         assert claims[0][0] > 0 and claims[-1][0] == 0, claims  # the first prompt was cached, then evicted
     finally:
         w.close()
