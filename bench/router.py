@@ -23,6 +23,7 @@ thread's CPU time plus the Redis main thread's for the lookup, read from
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -51,6 +52,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run(json_path: Path, iterations: int = 300, unit: int = 128, baseline_every: int = 10) -> dict[str, Any]:
     results: dict[str, Any] = {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         srv = RedisServer(Path(tmp))
         srv.start()
@@ -70,6 +72,8 @@ def run(json_path: Path, iterations: int = 300, unit: int = 128, baseline_every:
         "ratio_p99_vs_vllm_chain": big["ratio_p99_vs_vllm_chain"],
         "results": results,
         "checks": checks,
+        # other processes' load (1-minute average) before and after: wall-clock tails depend on it
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     bars = {}
     for k, v in results.items():
