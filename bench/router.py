@@ -6,7 +6,7 @@ store has the first 80 % of the chain with a state checkpoint at its end, and
 two live prefill instances hold the first 40 % / 60 % locally. Every decision
 hashes the prompt from scratch (a cold chain: nothing is cached between
 decisions), looks it up, merges the router's recent-prefill hints (64 other
-streams remembered) and chooses, exactly as ``Orchestrator._route`` does.
+streams remembered) and chooses, exactly as ``Dispatcher.route`` (services/router/dispatch.py) does.
 
 The baseline (``vllm_chain.py``) is vLLM 0.32's ``hash_block_tokens`` with
 ``sha256_cbor``, block by block, on the same token list; it runs every
