@@ -1,6 +1,10 @@
 /* Canonical CBOR encoding of token-id runs, and the SHA-256 block chain, for
  * hybridpd.hashing.
  *
+ * Over the ~350-line rule on purpose: one extension module is one translation
+ * unit, and the encoder (AVX-512 and scalar), the SHA-NI chain that reads the
+ * encoder's buffers in place, and their Python bindings share static helpers.
+ *
  * encode(tokens, unit, portable=False) -> (buf: bytes, starts: bytes)
  *   tokens: a list/tuple of ints or any C-contiguous buffer of int64/uint32/int32.
  *   buf:    the canonical CBOR unsigned-int encoding of the first

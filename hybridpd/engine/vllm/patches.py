@@ -1,0 +1,61 @@
+"""Two process-wide adjustments vLLM needs to sit idle on a CPU without spinning.
+
+Both are applied by ``VllmEngine`` while it builds its engine; they change
+vLLM's defaults, not its behaviour (see each docstring for why nothing is lost).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+def nixl_without_progress_thread() -> None:
+    """vLLM's NixlConnector creates its agent with NIXL's UCX progress thread, which the
+    Python API runs with no delay: a free spin, ~40-60% of a core per idle engine on CPU.
+    Its agent is created without it (a keyword default on vLLM's config factory). Nothing
+    is lost: the connector drives NIXL from every engine step (``get_new_notifs`` and
+    ``check_xfer_state`` progress the workers), and our engine loop steps a prefill engine
+    while its KV waits for decode's read (``has_work``), a decode engine while it loads."""
+    import functools
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    make = base_worker.nixl_agent_config
+    if make is None or getattr(make, "keywords", {}).get("enable_prog_thread") is False:
+        return
+    base_worker.nixl_agent_config = functools.partial(make, enable_prog_thread=False)
+
+
+@contextmanager
+def one_gloo_device() -> Iterator[None]:
+    """While vLLM builds its engine here, all its gloo process groups share one gloo device.
+
+    vLLM makes ~15 gloo groups even at world size 1 (world, TP, PP, DP, EP, ... each a
+    device group and a CPU group); torch gives each its own device, and each device its own
+    event-loop thread that wakes every 10 ms: ~1% of a core for an idle engine. One device
+    serves any number of groups (gloo pairs share its loop), so: one loop thread."""
+    from torch.distributed import distributed_c10d as c10d
+
+    base: Any = getattr(c10d, "ProcessGroupGloo", None)
+    if base is None:  # torch without gloo
+        yield
+        return
+    device: list[Any] = []
+
+    class SharedDeviceGloo(base):
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
+            if not device:
+                device.append(base.create_default_device())
+            opts = base._Options()
+            opts._devices = device[:1]
+            if timeout is not None:
+                opts._timeout = timeout
+            super().__init__(store, rank, size, opts)
+
+    setattr(c10d, "ProcessGroupGloo", SharedDeviceGloo)  # noqa: B010 (mypy: a module's class)
+    try:
+        yield
+    finally:
+        setattr(c10d, "ProcessGroupGloo", base)  # noqa: B010
