@@ -86,8 +86,11 @@ class IncrementalDetokenizer:
         """The window's text does not extend its context's (a merge across the
         boundary): fall back to one full decode, exact by construction."""
         text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+        if text.endswith("\ufffd"):
             return ""
+        # NOTE: a decoder that rewrites earlier text when ids are added (none of ours)
+        # would make ``text`` not extend ``emitted``; what was sent cannot be taken
+        # back, so the rest continues from the same offset (as a full decode would)
         delta = text[len(self.emitted) :]
         self.emitted = text
         self._prefix, self._read = self._read, len(self.ids)

@@ -77,8 +77,9 @@ class DecodeWorker(WorkerBase):
         return fetched
 
     def _generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
-        fetched = self._fetch(prefill, request)
-        q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(request, fetched))
+        with self.loop.reserved(request.request_id):  # an abort during the fetch is not lost
+            fetched = self._fetch(prefill, request)
+            q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(request, fetched))
         try:
             while True:
                 chunk = _next_chunk(q, request.request_id)

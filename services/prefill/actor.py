@@ -19,6 +19,7 @@ a request. Nothing here depends on which engine runs (``engine/base.py``).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from dataclasses import asdict
@@ -143,9 +144,14 @@ class PrefillWorker(WorkerBase):
 
     def _prefill(self, cmd: PrefillCommand) -> PrefillResult:
         req = cmd.request
-        loaded = self._maybe_load(cmd)
-        q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=True))
-        out = q.get()
+        with self.loop.reserved(req.request_id):  # an abort during the store load is not lost
+            loaded = self._maybe_load(cmd)
+            q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=True))
+        try:
+            out = q.get(timeout=self.cfg.request_timeout_s + 30.0)
+        except queue.Empty:
+            self.loop.abort(req.request_id)
+            raise UnavailableError("prefill of %s on %s stalled" % (req.request_id, self.name)) from None
         if isinstance(out, BaseException):
             raise out
         ticket = self.engine.pop_handoff(req.request_id)

@@ -4,7 +4,9 @@
   evicted or cleared) are mirrored into this instance's index entries, in
   order, by one thread. A batch the index refuses (Redis down) is kept and
   replayed in order once it answers (the writes are idempotent), up to
-  ``MAX_BACKLOG`` hashes; past that the oldest are dropped and counted. At
+  ``MAX_BACKLOG`` hashes; past that the oldest are dropped and counted, and
+  the instance's entries are cleared before the rest is replayed (the index
+  may then under-claim, never claim what is gone). At
   start the instance's old entries are cleared: a restarted actor has an empty
   cache, whatever its predecessor published.
 * **checkpoint exports** (``Engine.pop_exports``) are put in MooncakeStore by
@@ -130,6 +132,10 @@ class CachePublisher:
                 dropped.append(self._events.popleft())
             if dropped:
                 self._applied = self._enqueued  # readers waiting on flush: nothing to wait for
+                # what was dropped may have been a removal: once Redis answers, clear this
+                # instance's entries before replaying the rest (the index may then under-claim,
+                # never claim what is gone)
+                self._cleared = False
                 self._cond.notify_all()
         if dropped:
             logger.warning("index unavailable: %d cache events dropped (backlog full)", len(dropped))

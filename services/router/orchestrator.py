@@ -29,7 +29,7 @@ from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
-from hybridpd.errors import UnavailableError
+from hybridpd.errors import InvalidRequestError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
 from services.router.admission import Admission, Deadline
@@ -92,6 +92,8 @@ class Orchestrator:
         """Serve ``req``: Events until one is finished. Raises InvalidRequestError,
         OverloadedError (before any work), NotFoundError (``force_instance``),
         UnavailableError, DeadlineError. ``api`` labels the request metrics."""
+        if req.request_id in self.running:  # actors key work by id: a second one would clobber the first
+            raise InvalidRequestError("request id %s is already in flight" % req.request_id)
         deadline = self.admission.admit(req)
         run = _Run(req, api, deadline, Flight(req.request_id))
         self.running[req.request_id] = run.flight

@@ -13,9 +13,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from hybridpd.engine.base import Engine, FinishReason, RequestId, RequestOutput
+from hybridpd.errors import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -25,16 +27,40 @@ class EngineLoop:
         self.engine = engine
         self.lock = threading.RLock()
         self.queues: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
+        #: requests a worker is preparing (``reserved``) -> aborted meanwhile
+        self._reserved: dict[str, bool] = {}
         self.after_step = after_step
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
+    @contextmanager
+    def reserved(self, request_id: str) -> Iterator[None]:
+        """Around the work a worker does for ``request_id`` before ``submit`` (a store
+        load, a handoff fetch): an abort arriving meanwhile is remembered, and the
+        ``submit`` that follows ends the request at once instead of running it."""
+        with self.lock:
+            if request_id in self.queues or request_id in self._reserved:
+                raise InvalidRequestError("request id %s is already running here" % request_id)
+            self._reserved[request_id] = False
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._reserved.pop(request_id, None)
+
     def submit(self, request_id: str, add: Callable[[], None]) -> queue.Queue[RequestOutput | BaseException]:
-        """Run ``add()`` (which adds ``request_id`` to the engine) and return its output queue."""
+        """Run ``add()`` (which adds ``request_id`` to the engine) and return its output
+        queue. A request id already running is refused (its reader keeps its queue);
+        one aborted while reserved gets a final ABORT output without being added."""
         q: queue.Queue[RequestOutput | BaseException] = queue.Queue()
         with self.lock:
+            if request_id in self.queues:
+                raise InvalidRequestError("request id %s is already running here" % request_id)
+            if self._reserved.pop(request_id, False):
+                q.put(RequestOutput(RequestId(request_id), (), True, FinishReason.ABORT))
+                return q
             self.queues[request_id] = q
             try:
                 add()
@@ -46,10 +72,14 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> bool:
         """Abort ``request_id`` in the engine; its reader gets a final ABORT output now
-        (an engine need not emit one: vLLM's abort does not), so no reader waits on it."""
+        (an engine need not emit one: vLLM's abort does not), so no reader waits on it.
+        A request still reserved (not submitted yet) is marked, and ends at its submit."""
         with self.lock:
             found = self.engine.abort(request_id)
             q = self.queues.pop(request_id, None)
+            if request_id in self._reserved:
+                self._reserved[request_id] = True
+                found = True
         if q is not None:
             q.put(RequestOutput(RequestId(request_id), (), True, FinishReason.ABORT))
         self._wake.set()

@@ -182,6 +182,24 @@ def test_in_flight_limit_refuses_with_overloaded() -> None:
     assert gate_holder
 
 
+def test_a_request_id_already_in_flight_is_refused() -> None:
+    async def go() -> None:
+        gate = asyncio.Event()
+        p = FakePrefill("prefill-0", gate=gate)
+        orch = _orch([p])
+        first = asyncio.create_task(_collect(orch, _req(4, "same")))
+        while not p.prefill.calls:
+            await asyncio.sleep(0)
+        with pytest.raises(InvalidRequestError, match="request id same is already in flight"):
+            await _collect(orch, _req(4, "same"))
+        gate.set()
+        assert _tokens(await first) == SCRIPT[:4]  # the first is untouched
+        assert _tokens(await _collect(orch, _req(4, "same"))) == SCRIPT[:4]  # reusable once it ended
+        assert _idle(orch)
+
+    asyncio.run(go())
+
+
 def test_unknown_forced_instance_is_not_found() -> None:
     orch = _orch([FakePrefill("prefill-0"), FakePrefill("prefill-1")])
 

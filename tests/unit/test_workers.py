@@ -11,7 +11,7 @@ import pytest
 
 from hybridpd.config import HybridPDConfig, load_config
 from hybridpd.engine.base import Engine, EngineRequest, FinishReason, RequestId, SamplingParams
-from hybridpd.errors import IntegrityError, UnavailableError
+from hybridpd.errors import IntegrityError, InvalidRequestError, UnavailableError
 from services.decode.actor import DecodeWorker
 from services.prefill.actor import PrefillWorker
 from services.worker.engine_loop import EngineLoop
@@ -91,6 +91,48 @@ def test_engine_loop_abort_gives_the_reader_a_final_abort_and_frees_the_request(
                 break
         with loop.lock:
             assert not eng.seqs
+    finally:
+        loop.close()
+
+
+def test_a_duplicate_submit_is_refused_and_the_first_reader_keeps_its_queue() -> None:
+    eng = ToyEngine()
+    loop = EngineLoop(eng)
+    try:
+        req = _req("a", max_tokens=10_000)
+        q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        with pytest.raises(InvalidRequestError, match="already running"):
+            loop.submit(req.request_id, lambda: eng.add_request(req))
+        with pytest.raises(InvalidRequestError, match="already running"):
+            with loop.reserved(req.request_id):
+                pass
+        assert not isinstance(q.get(timeout=10), BaseException)  # still fed
+        loop.abort(req.request_id)
+    finally:
+        loop.close()
+
+
+def test_an_abort_before_submit_ends_the_request_at_submit() -> None:
+    eng = ToyEngine()
+    loop = EngineLoop(eng)
+    try:
+        req = _req("a")
+        with loop.reserved(req.request_id):
+            assert loop.abort(req.request_id)  # e.g. while a handoff is fetched
+            q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        out = q.get(timeout=10)
+        assert not isinstance(out, BaseException) and out.finished and out.finish_reason is FinishReason.ABORT
+        with loop.lock:
+            assert not eng.seqs and eng.steps == 0  # never added, never run
+        # the id is free again afterwards, and an abort of an unknown id marks nothing
+        assert not loop.abort(req.request_id)
+        q2 = loop.submit(req.request_id, lambda: eng.add_request(req))
+        assert [
+            t
+            for o in (q2.get(timeout=10) for _ in range(6))
+            if not isinstance(o, BaseException)
+            for t in o.new_token_ids
+        ] == _expected(req)
     finally:
         loop.close()
 
