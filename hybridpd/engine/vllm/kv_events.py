@@ -61,6 +61,8 @@ class KVEventFeed:
     def __init__(self, hasher: BlockHasher) -> None:
         self.events: deque[CacheEvent] = deque()
         self.hasher = hasher
+        self.last_seq: int | None = None
+        self.gaps = 0
         self.group_kind: dict[int, str] = {}
         #: attention block end hash -> the unit hashes it covers (to remove them later)
         self.units_of: dict[bytes, list[BlockHash]] = {}
@@ -134,6 +136,18 @@ class KVEventFeed:
                 self.events.append(CacheEvent(CacheEventKind.CLEARED, None))
                 self.units_of.clear()
 
+    def check_sequence(self, seq: int) -> None:
+        """ZMQ PUB/SUB drops messages silently (a slow subscriber, a full queue): a gap
+        in vLLM's sequence numbers means removals may be lost, so everything this
+        engine published is withdrawn (CLEARED) and rebuilt from later events: the
+        index may under-claim for a while, never claim what is gone."""
+        if self.last_seq is not None and seq != self.last_seq + 1:
+            logger.warning("KV events %d..%d lost: the index forgets this engine's entries", self.last_seq + 1, seq - 1)
+            self.gaps += 1
+            self.events.append(CacheEvent(CacheEventKind.CLEARED, None))
+            self.units_of.clear()
+        self.last_seq = seq
+
     def add(self, event: CacheEvent) -> None:
         """An event the engine itself knows of (see ``VllmEngine.pop_handoff``)."""
         self.events.append(event)
@@ -166,6 +180,8 @@ class KVEventFeed:
                 if not sub.poll(100):
                     continue
                 parts: Sequence[bytes] = sub.recv_multipart()
+                if len(parts) == 3:  # (topic, sequence number, payload)
+                    self.check_sequence(int.from_bytes(parts[1], "big"))
                 self.apply(decoder.decode(parts[-1]).events)
         finally:
             sub.close(linger=0)
