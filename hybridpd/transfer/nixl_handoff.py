@@ -130,6 +130,11 @@ class HandoffServer:
         with self.lock:
             return len(self.offers)
 
+    def withdraw(self, hid: str) -> bool:
+        """Free offer ``hid`` now (zeroed, deregistered): its request was aborted
+        before decode read it. False if it is gone already (read or expired)."""
+        return self._free(hid, scrub=True) is not None
+
     def _free(self, hid: str, scrub: bool) -> float | None:
         """Free one offer; returns when it was offered (None if unknown)."""
         with self.lock:

@@ -228,3 +228,30 @@ def test_pop_handoff_runs_concurrently_with_step(pair: tuple[NativeEngine, Nativ
     assert sorted(tickets) == ["x%d" % i for i in range(n)]
     assert prefill.handoff_stats().outstanding == n
     assert_no_leaks(prefill)
+
+
+def test_an_abort_after_the_offer_withdraws_it(pair: tuple[NativeEngine, NativeEngine]) -> None:
+    """A request aborted between its prefill and decode's read (a stop string in the
+    first token, a client gone) frees its NIXL offer at once, not at the timeout."""
+    prefill, decode = pair
+    r = req("w", TOKENS, 5)
+    ticket = _prefill(prefill, r)
+    assert prefill.handoff_stats().outstanding == 1
+    assert prefill.abort("w")
+    assert prefill.handoff_stats().outstanding == 0
+    with pytest.raises((HandoffError, IntegrityError)):
+        decode.fetch_handoff(r, ticket)  # gone: never silently read
+    assert not prefill.abort("w")  # nothing left to withdraw
+
+
+def test_offers_of_one_request_id_do_not_overwrite_each_other(pair: tuple[NativeEngine, NativeEngine]) -> None:
+    prefill, decode = pair
+    r = req("same", TOKENS, 5)
+    first = _prefill(prefill, r)
+    second = _prefill(prefill, r)  # e.g. a handoff retried on the same instance
+    assert first.descriptor.handoff_id != second.descriptor.handoff_id
+    assert prefill.handoff_stats().outstanding == 2
+    for ticket in (first, second):
+        got = decode.fetch_handoff(r, ticket)
+        assert isinstance(got, FetchedHandoff)
+    assert _drained(prefill).outstanding == 0

@@ -164,8 +164,10 @@ class NativeEngine:
 
     def abort(self, request_id: RequestId | str) -> bool:
         """Free ``request_id`` (its ABORT output comes with the next step); an
-        unclaimed handoff of a finished request is dropped too (no output)."""
+        unclaimed handoff of a finished request is dropped too, and an offered one
+        that decode has not read is withdrawn from NIXL (no output)."""
         dropped = self._handoffs.pop(request_id, None) is not None
+        dropped |= self.transport.withdraw(request_id)  # offered, not read yet: free it now
         seq = self.seqs.get(request_id)
         if seq is None:
             return dropped
@@ -308,7 +310,11 @@ class NativeEngine:
         self._check_fits(seq)
         if not self.scheduler.admit_handoff(seq):
             raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
-        self.runner.load_handoff(seq, handoff)
+        try:
+            self.runner.load_handoff(seq, handoff)
+        except BaseException:
+            self.scheduler.finish(seq)  # never run a request whose state did not load
+            raise
         self.seqs[seq.rid] = seq
 
     def handoff_stats(self) -> HandoffStats:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,6 +48,9 @@ from hybridpd.errors import IntegrityError
 from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffDescriptor, HandoffServer
 
 logger = logging.getLogger(__name__)
+
+#: request ids whose offer a transport remembers for ``withdraw``
+MAX_TRACKED_OFFERS = 4096
 
 #: the faults ``inject_fault`` knows (each hits the next handoff once)
 CORRUPT_NEXT = "corrupt_next_handoff"
@@ -152,6 +157,8 @@ class HandoffTransport:
         self._corrupt_next = False
         self._delay_next_read = False
         self._closed = False
+        #: request id -> its latest offer's id (for ``withdraw``), oldest first
+        self._offered: OrderedDict[str, str] = OrderedDict()
 
     def _agent_name(self) -> str:
         return "%s-%d" % (self.instance, int(time.time() * 1000) % 100000)
@@ -183,13 +190,28 @@ class HandoffTransport:
             return self._server
 
     def offer(self, handoff: Handoff) -> NativeTicket:
-        """Register ``handoff``'s buffers with NIXL until decode releases them or they expire."""
-        desc = self._get_server().offer(handoff.buffers(), handoff.request.request_id)
+        """Register ``handoff``'s buffers with NIXL until decode releases them, they
+        expire, or ``withdraw`` frees them. Each offer has its own id (a retried or
+        repeated request id never overwrites an outstanding offer)."""
+        rid = handoff.request.request_id
+        hid = "%s~%s" % (rid, uuid.uuid4().hex[:12])
+        desc = self._get_server().offer(handoff.buffers(), hid)
+        with self._server_lock:
+            self._offered[rid] = hid
+            while len(self._offered) > MAX_TRACKED_OFFERS:  # read or expired long ago
+                self._offered.popitem(last=False)
         if self._take_fault(CORRUPT_NEXT):  # flip a byte after the checksum was taken
             logger.warning("fault injection: corrupting handoff %s", handoff.request.request_id)
             with torch.inference_mode():
                 handoff.kv.buffers[0].view(-1)[0] += 1.0
         return NativeTicket.offered(handoff, desc)
+
+    def withdraw(self, request_id: str) -> bool:
+        """Free the outstanding offer of ``request_id`` (aborted before decode read it)."""
+        with self._server_lock:
+            hid = self._offered.pop(request_id, None)
+            server = self._server
+        return hid is not None and server is not None and server.withdraw(hid)
 
     def stats(self) -> HandoffStats:
         server = self._server
