@@ -56,6 +56,13 @@ def checkpoint_slot_column(query_end: int, mamba_block_size: int) -> int:
     return _ceil_div(query_end, mamba_block_size) - 2
 
 
+def extra_slot_column(position: int, mamba_block_size: int) -> int:
+    """The state slot column an extra checkpoint at ``position`` takes: the
+    column of the block holding token ``position - 1`` (natural key
+    state@``(col + 1) * B``, so a position inside a Mamba block is re-keyed)."""
+    return _ceil_div(position, mamba_block_size) - 1
+
+
 def natural_position(column: int, mamba_block_size: int) -> int:
     """The state boundary a slot column holds when nothing re-keys it."""
     return (column + 1) * mamba_block_size
@@ -111,6 +118,119 @@ def planned_checkpoint(
     if is_checkpoint_valid(query_start, query_end, pos, unit, mamba_block_size, alignment):
         return pos
     return None
+
+
+#: at most this many extra checkpoint positions per request (client positions,
+#: junctions); the API refuses longer lists, the engine keeps the deepest
+MAX_REQUESTED_CHECKPOINTS = 8
+
+
+def junction_position(junction: int, unit: int, drop_eagle_block: bool) -> int:
+    """The checkpoint a later request sharing exactly ``[0, junction)`` hits.
+
+    The request continues past the junction, so every unit block ending at or
+    before it is shared: the position is ``junction // u * u``, with EAGLE one
+    unit lower (the replay rule of :func:`checkpoint_position`, which this is
+    for ``junction + 1`` tokens).
+
+    >>> junction_position(100, 8, False), junction_position(100, 8, True), junction_position(96, 8, False)
+    (96, 88, 96)
+    """
+    return checkpoint_position(junction + 1, unit, drop_eagle_block)
+
+
+def is_extra_checkpoint_valid(
+    query_start: int,
+    query_end: int,
+    position: int,
+    unit: int,
+    mamba_block_size: int,
+    alignment: int | None,
+) -> bool:
+    """Whether an extra (requested) checkpoint at ``position`` can be written
+    by a prefill computing ``[query_start, query_end)``.
+
+    Everything :func:`is_checkpoint_valid` demands of the tail checkpoint,
+    plus the slot-column rule for the position itself: state@``position``
+    belongs in column :func:`extra_slot_column` ``= ceil(position / B) - 1``
+    (the tail takes ``ceil(end / B) - 2``), which must lie past the
+    column holding the initial state, ``(start - 1) // B``, or writing it
+    would overwrite the state this prefill restored from.
+    """
+    return is_checkpoint_valid(
+        query_start, query_end, position, unit, mamba_block_size, alignment
+    ) and extra_slot_column(position, mamba_block_size) > (query_start - 1) // mamba_block_size
+
+
+def requested_checkpoints(
+    requested: Sequence[int],
+    hit: int,
+    num_tokens: int,
+    unit: int,
+    mamba_block_size: int,
+    alignment: int | None,
+    drop_eagle_block: bool,
+    max_extra: int = MAX_REQUESTED_CHECKPOINTS,
+) -> tuple[int, ...]:
+    """The extra checkpoints a prefill of ``[hit, num_tokens)`` writes for
+    ``requested`` junctions (token counts: a branch point, message ends, client
+    positions), ascending; the tail checkpoint (:func:`planned_checkpoint`) is
+    not among them.
+
+    Each junction ``r``:
+
+    1. becomes :func:`junction_position` (down to a unit boundary; with EAGLE
+       one unit lower, the block a later hit replays);
+    2. moves down, in units, to the first position whose offset from ``hit``
+       the alignment allows (``(p - hit) % a == 0``);
+    3. is kept iff :func:`is_extra_checkpoint_valid` holds (at least one unit
+       above the hit, inside the query, the column past the initial state's)
+       and it lies below the tail position
+       ``checkpoint_position(num_tokens)`` (the tail is planned anyway).
+       A position the column rule forbids is dropped: every lower position
+       lies in the same column or an earlier one.
+
+    Duplicates collapse; of more than ``max_extra`` the deepest are kept (they
+    save the most on a hit).
+
+    Chunk boundaries: the native kernel holds the state at every multiple of
+    16 inside a chunk and at its end, and every kept position is
+    ``hit + k * a`` with ``16 | a``, so no boundary is needed for a position
+    to be written. The native scheduler snapshots at most one position per
+    chunk (as a kernel writing one partial checkpoint per query must): a
+    chunk that would contain two ends at the first.
+
+    ``u=8, B=64, a=16``, junctions 20, 41 and 90 of a 100-token prompt from 0:
+    20 -> 16; 41 -> 40 -> 32 (40 is not a multiple of 16); 90 -> 88 -> 80.
+
+    >>> requested_checkpoints([20, 41, 90], 0, 100, 8, 64, 16, False)
+    (16, 32, 80)
+
+    With EAGLE each is one unit lower first: 20 -> 8 -> 0 (not above the
+    hit: dropped), 41 -> 32, 90 -> 80; the tail is 88 (itself invalid:
+    88 % 16 != 0, so only the extras are written):
+
+    >>> requested_checkpoints([20, 41, 90], 0, 100, 8, 64, 16, True)
+    (32, 80)
+
+    A junction in the initial state's slot column: a hit of 32 restores
+    state@32 from column 0 (``B=64``). Junction 40 -> 32 is the hit itself;
+    60 -> 48 and 64 -> 64 need column 0 too: dropped; 96 needs column 1:
+
+    >>> requested_checkpoints([40, 60, 64, 96], 32, 200, 16, 64, 16, False)
+    (96,)
+    """
+    if alignment is None or max_extra <= 0:
+        return ()
+    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    kept: set[int] = set()
+    for r in requested:
+        pos = junction_position(min(max(r, 0), num_tokens), unit, drop_eagle_block)
+        while pos > hit and (pos - hit) % alignment:
+            pos -= unit
+        if pos < tail and is_extra_checkpoint_valid(hit, num_tokens, pos, unit, mamba_block_size, alignment):
+            kept.add(pos)
+    return tuple(sorted(kept)[-max_extra:])
 
 
 def needs_rekey(position: int, query_end: int, mamba_block_size: int) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from hybridpd.checkpoints import MAX_REQUESTED_CHECKPOINTS
 from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import InvalidRequestError
 
@@ -36,8 +37,31 @@ def validate_request(req: EngineRequest, vocab_size: int, max_model_len: int) ->
         raise InvalidRequestError("top_k must be >= 0")
     if sp.seed is not None and not (SEED_MIN <= sp.seed <= SEED_MAX):
         raise InvalidRequestError("seed must lie in [%d, %d]" % (SEED_MIN, SEED_MAX))
+    validate_checkpoints(req.checkpoints, len(p))
     if len(p) + sp.max_tokens > max_model_len:
         raise InvalidRequestError(
             "prompt (%d tokens) + max_tokens (%d) exceeds the model's context of %d tokens"
             % (len(p), sp.max_tokens, max_model_len)
         )
+
+
+def validate_checkpoints(positions: tuple[int, ...], num_prompt: int) -> None:
+    """Extra checkpoint positions (``hybridpd_checkpoints``): at most
+    ``MAX_REQUESTED_CHECKPOINTS``, strictly ascending, each inside the prompt.
+    Which of them can hold a checkpoint is the engine's business
+    (``checkpoints.requested_checkpoints``); a valid list never fails a request."""
+    if len(positions) > MAX_REQUESTED_CHECKPOINTS:
+        raise InvalidRequestError(
+            "hybridpd_checkpoints: at most %d positions, got %d" % (MAX_REQUESTED_CHECKPOINTS, len(positions))
+        )
+    for i, pos in enumerate(positions):
+        if isinstance(pos, bool) or not isinstance(pos, int):
+            raise InvalidRequestError("hybridpd_checkpoints: positions must be integers, got %r" % (pos,))
+        if not 0 < pos < num_prompt:
+            raise InvalidRequestError(
+                "hybridpd_checkpoints: position %d is not inside the prompt (0 < position < %d)" % (pos, num_prompt)
+            )
+        if i and pos <= positions[i - 1]:
+            raise InvalidRequestError(
+                "hybridpd_checkpoints must be strictly ascending: %d follows %d" % (pos, positions[i - 1])
+            )

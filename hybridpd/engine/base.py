@@ -76,6 +76,10 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
+    #: extra checkpoint positions (token counts, ascending) the prefill should
+    #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``.
+    #: The vLLM engine ignores them.
+    checkpoints: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

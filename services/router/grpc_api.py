@@ -66,7 +66,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         rid = msg.request_id or uuid.uuid4().hex
         if len(rid) > 128:
             raise InvalidRequestError("request_id longer than 128 characters")
-        return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, msg.cache_salt or None))
+        salt = ApiKeys.salt(tenant, msg.cache_salt or None)
+        return EngineRequest(RequestId(rid), tuple(tokens), sp, salt, tuple(msg.checkpoints))
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext

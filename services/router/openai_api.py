@@ -147,7 +147,9 @@ async def completions(body: CompletionRequest, request: Request, st: State) -> R
     tokens = list(body.prompt) if isinstance(body.prompt, list) else st.orch.tokenizer.encode(body.prompt)
     if not tokens:
         raise InvalidRequestError("prompt tokenizes to nothing")
-    req = _engine_request(st, body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant)
+    req = _engine_request(
+        st, body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant, body.hybridpd_checkpoints
+    )
     return await _generate(st, body, req, "completions", "text")
 
 
@@ -159,7 +161,13 @@ async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Resp
 
 
 def _engine_request(
-    st: RouterState, body: _Common, tokens: list[int], rid: str, default_max: int, tenant: str | None
+    st: RouterState,
+    body: _Common,
+    tokens: list[int],
+    rid: str,
+    default_max: int,
+    tenant: str | None,
+    checkpoints: list[int] | None = None,
 ) -> EngineRequest:
     """The EngineRequest for a body (ranges are checked by the orchestrator's admission)."""
     if body.model != st.served_model:
@@ -177,7 +185,9 @@ def _engine_request(
         stop_token_ids=() if body.ignore_eos else tok.stop_token_ids,  # end-of-turn ids are EOS too
         ignore_eos=body.ignore_eos,
     )
-    return EngineRequest(RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt))
+    return EngineRequest(
+        RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt), tuple(checkpoints or ())
+    )
 
 
 async def _generate(st: RouterState, body: _Common, req: EngineRequest, api: str, kind: str) -> Response:

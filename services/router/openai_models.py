@@ -4,7 +4,9 @@ Unknown fields are ignored, as OpenAI clients send many; fields we cannot
 honour with a value that matters (n > 1, logprobs, echo, best_of) are a 400.
 Extensions: ``cache_salt`` (tenant isolation), ``return_token_ids`` (token
 ids in each choice), ``ignore_eos``, ``hybridpd_prefill_instance`` (pin a
-request to one prefill instance, for tests and debugging).
+request to one prefill instance, for tests and debugging); on completions
+``hybridpd_checkpoints`` (extra checkpoint positions, token counts; checked
+by ``validation.validate_request``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class CompletionRequest(_Common):
     prompt: str | list[int]
     echo: bool = False
     best_of: int | None = None
+    hybridpd_checkpoints: list[int] | None = None
 
     @field_validator("prompt")
     @classmethod

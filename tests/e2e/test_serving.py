@@ -160,6 +160,10 @@ def test_bad_input_is_4xx(client: OpenAI, stack: Stack) -> None:
         client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=2)
     with pytest.raises(BadRequestError, match="context"):
         client.completions.create(model="tiny", prompt="hi", max_tokens=10**6)
+    with pytest.raises(BadRequestError, match="strictly ascending"):
+        client.completions.create(
+            model="tiny", prompt=[5, 6, 7, 8, 9], max_tokens=2, extra_body={"hybridpd_checkpoints": [3, 2]}
+        )
     with pytest.raises(NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
     r = httpx.post(stack.http + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"})

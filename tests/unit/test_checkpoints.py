@@ -9,14 +9,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hybridpd.checkpoints import (
+    MAX_REQUESTED_CHECKPOINTS,
     checkpoint_position,
     checkpoint_slot_column,
+    extra_slot_column,
     is_checkpoint_valid,
+    is_extra_checkpoint_valid,
+    junction_position,
     leading_blocks,
     longest_usable_hit,
     natural_position,
     needs_rekey,
     planned_checkpoint,
+    requested_checkpoints,
 )
 
 # -- worked examples (DESIGN.md) ---------------------------------------------
@@ -211,3 +216,108 @@ def test_formula_rejects_wrong_variants() -> None:
     assert checkpoint_position(1, 16, False) == 0
     with pytest.raises(ValueError):
         checkpoint_position(10, 0, False)
+
+
+# -- extra (requested) checkpoints: DESIGN.md worked examples ---------------------------
+
+
+def test_extra_example_u8_b64_a16_rounding_and_alignment() -> None:
+    # junctions 20, 41, 90 of a 100-token prompt from 0: 20 -> 16; 41 -> 40 -> 32
+    # (40 % 16 != 0); 90 -> 88 -> 80; the tail 96 is planned on its own
+    assert requested_checkpoints([20, 41, 90], 0, 100, 8, 64, 16, False) == (16, 32, 80)
+    assert planned_checkpoint(0, 100, 100, 8, 64, 16, False) == 96
+
+
+def test_extra_example_eagle() -> None:
+    # one unit lower first: 20 -> 8 -> 0 (dropped), 41 -> 32, 90 -> 80; the tail 88 is invalid
+    assert [junction_position(r, 8, True) for r in (20, 41, 90)] == [8, 32, 80]
+    assert requested_checkpoints([20, 41, 90], 0, 100, 8, 64, 16, True) == (32, 80)
+    assert planned_checkpoint(0, 100, 100, 8, 64, 16, True) is None
+    # a later request sharing [0, 90): 11 blocks, EAGLE drops one -> 80
+    assert longest_usable_hit(150, 8, 90 // 8, {32, 80}, True) == 80
+
+
+def test_extra_example_junction_inside_mamba_block() -> None:
+    # u=16, B=64: junction 100 lies inside block [64, 128): state@96 takes column 1,
+    # whose natural key is state@128, so the slot is keyed by the hash at 96
+    assert requested_checkpoints([100], 0, 200, 16, 64, 16, False) == (96,)
+    assert extra_slot_column(96, 64) == 1
+    assert natural_position(1, 64) == 128
+    # a later request sharing [0, 100) hits 96
+    assert longest_usable_hit(180, 16, 100 // 16, {96}, False) == 96
+
+
+def test_extra_example_junction_in_initial_state_column() -> None:
+    # a hit of 32 restores state@32 from column 0 (B=64): junction 60 -> 48 needs
+    # column 0 too (dropped, as are 64 and the hit itself); 100 -> 96 takes column 1
+    assert (32 - 1) // 64 == 0 and extra_slot_column(48, 64) == 0
+    assert is_checkpoint_valid(32, 200, 48, 16, 64, 16)  # the tail's rule alone would allow it
+    assert not is_extra_checkpoint_valid(32, 200, 48, 16, 64, 16)
+    assert requested_checkpoints([40, 60, 64, 100], 32, 200, 16, 64, 16, False) == (96,)
+    assert planned_checkpoint(32, 200, 200, 16, 64, 16, False) == 192
+
+
+@pytest.mark.parametrize(
+    ("eagle", "hit", "n", "want"),
+    [
+        (False, 0, 12288, (2048, 4096, 5120, 8192, 9216)),
+        (True, 0, 12288, (1024, 3072, 4096, 7168, 8192)),
+        (False, 5120, 12288, ()),  # the query itself fails the column rule (tail too)
+        (False, 5120, 16384, (9216, 11264)),  # 9000 -> 8192 is in the initial state's column 1
+    ],
+)
+def test_extra_example_u1024_b4096_a64(eagle: bool, hit: int, n: int, want: tuple[int, ...]) -> None:
+    u, b, a = 1024, 4096, 64
+    junctions = [3000, 5000, 6000, 9000, 10000, 11500]
+    assert requested_checkpoints(junctions, hit, n, u, b, a, eagle) == want
+    tail = planned_checkpoint(hit, n, n, u, b, a, eagle)
+    assert tail is None or all(p < tail for p in want)
+    if hit == 5120 and n == 12288:
+        assert tail is None
+
+
+def test_extra_cap_keeps_deepest_and_dedupes() -> None:
+    junctions = list(range(20, 1000, 16))
+    got = requested_checkpoints(junctions, 0, 1024, 16, 64, 16, False, max_extra=3)
+    assert got == (960, 976, 992)
+    assert requested_checkpoints([33, 40, 47], 0, 1024, 16, 64, 16, False) == (32,)
+    assert requested_checkpoints([500], 0, 1024, 16, 64, None, False) == ()
+    assert requested_checkpoints([500], 0, 1024, 16, 64, 16, False, max_extra=0) == ()
+    assert MAX_REQUESTED_CHECKPOINTS == 8
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    u=st.sampled_from([8, 16, 32, 64]),
+    b_mult=st.integers(1, 8),
+    a=st.sampled_from([16, 32, 64]),
+    hit_blocks=st.integers(0, 20),
+    n=st.integers(1, 3000),
+    junctions=st.lists(st.integers(1, 3000), max_size=12),
+    eagle=st.booleans(),
+)
+def test_extra_checkpoints_properties(
+    u: int, b_mult: int, a: int, hit_blocks: int, n: int, junctions: list[int], eagle: bool
+) -> None:
+    b = u * b_mult
+    hit = min(hit_blocks * u, (n - 1) // u * u)
+    got = requested_checkpoints(junctions, hit, n, u, b, a, eagle)
+    tail = checkpoint_position(n, u, eagle)
+    assert list(got) == sorted(set(got)) and len(got) <= MAX_REQUESTED_CHECKPOINTS
+    for p in got:
+        assert p % u == 0 and hit + u <= p < tail and (p - hit) % a == 0
+        assert is_extra_checkpoint_valid(hit, n, p, u, b, a)
+        assert is_checkpoint_valid(hit, n, p, u, b, a)
+        # rounded down from some junction, and a later request sharing that
+        # junction's prefix hits exactly p when only p is cached
+        r = min(r for r in junctions if junction_position(min(r, n), u, eagle) >= p)
+        assert longest_usable_hit(r + u, u, r // u, {p}, eagle) == p
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import hybridpd.checkpoints
+
+    res = doctest.testmod(hybridpd.checkpoints)
+    assert res.failed == 0 and res.attempted >= 5

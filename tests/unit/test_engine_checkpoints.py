@@ -1,12 +1,17 @@
 """The engine exports checkpoints exactly where DESIGN.md's examples say,
-re-keys the EAGLE slot, and frees everything, aborts included."""
+re-keys the EAGLE slot, writes the extra checkpoints a request names (and
+stays exact), and frees everything, aborts included."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from hybridpd.checkpoints import checkpoint_position
+from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
+from hybridpd.hashing import BlockHash
 from tests.unit.engine_helpers import (
     assert_no_leaks,
     bundled_model_fixture,  # noqa: F401  (autouse: both bundled models)
@@ -145,3 +150,82 @@ def test_corrupt_checkpoint_rejected() -> None:
     other = list(prompt(300, 9))
     with pytest.raises(IntegrityError, match="chain hash"):
         make_engine().import_checkpoint(kv, st, other)
+
+
+# -- extra checkpoints (EngineRequest.checkpoints) ----------------------------------------
+
+
+def _run(eng, rid: str, toks, checkpoints=(), max_tokens: int = 6):  # type: ignore[no-untyped-def]
+    """Tokens, logits and num_cached_tokens of one request run alone to completion."""
+    eng.add_request(dataclasses.replace(req(rid, toks, max_tokens), checkpoints=tuple(checkpoints)))
+    tokens: list[int] = []
+    cached = []
+    while eng.has_work():
+        for o in eng.step():
+            tokens.extend(o.new_token_ids)
+            cached.append(o.num_cached_tokens)
+    return tokens, list(eng.logit_log[rid]), cached[0]
+
+
+def _no_cache(toks, eagle: bool):  # type: ignore[no-untyped-def]
+    return _run(make_engine(enable_prefix_caching=False, record_logits=True, eagle=eagle), "ref", toks)[:2]
+
+
+def _same(got, want) -> None:  # type: ignore[no-untyped-def]
+    assert got[0] == want[0]
+    assert len(got[1]) == len(want[1])
+    for a, b in zip(got[1], want[1], strict=True):
+        assert torch.equal(a, b)
+
+
+def _stored_states(events: list[CacheEvent]) -> set[BlockHash]:
+    return {
+        h for e in events if e.kind is CacheEventKind.STORED and e.group is CacheGroup.STATE for h in e.hashes
+    }
+
+
+@pytest.mark.parametrize(("eagle", "budget"), [(False, 4096), (False, 48), (True, 4096)])
+def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int) -> None:
+    """u=16, B=64, a=16; junctions 70, 100, 150, 250 of a 300-token prompt:
+    64, 96, 144, 240 and the tail 288 (EAGLE: 48, 80, 128, 224 and 272)."""
+    u = 16
+    base = prompt(300, 21)
+    want = (48, 80, 128, 224, 272) if eagle else (64, 96, 144, 240, 288)
+    eng = make_engine(eagle=eagle, export_checkpoints=True, record_logits=True, max_num_batched_tokens=budget)
+    got = _run(eng, "base", base, (70, 100, 150, 250))
+    _same(got, _no_cache(base, eagle))
+    exported = eng.pop_exports()
+    assert [st.meta.position for _, st in exported] == list(want)
+    assert {kv.meta.position for kv, _ in exported} == {288}  # every full prompt block, shared
+    chain = eng.hasher.chain(list(base))
+    assert _stored_states(eng.pop_cache_events()) == {chain[p // u - 1] for p in want}
+    # a request sharing only [0, 150) hits the checkpoint of junction 150, and stays exact
+    branch = base[:150] + prompt(120, 22)
+    got = _run(eng, "branch", branch)
+    assert got[2] == want[2]
+    _same(got, _no_cache(branch, eagle))
+    assert_no_leaks(eng)
+
+
+def test_extra_checkpoint_in_initial_state_column_not_promised() -> None:
+    """u=16, B=64: a hit of 32 restores state@32 (column 0); junction 60 -> 48 also
+    needs column 0 and is not written; junction 100 -> 96 is."""
+    u = 16
+    base = prompt(200, 23)
+    eng = make_engine(export_checkpoints=True, record_logits=True)
+    _run(eng, "a", base[:100], (32,))
+    assert [st.meta.position for _, st in eng.pop_exports()] == [32, 96]
+    branch = base[:40] + prompt(160, 24)
+    got = _run(eng, "b", branch, (60, 100))
+    assert got[2] == 32
+    _same(got, _no_cache(branch, False))
+    assert [st.meta.position for _, st in eng.pop_exports()] == [96, 192]
+    chain = eng.hasher.chain(list(branch))
+    assert eng.state_pool.lookup(chain[48 // u - 1]) is None  # nothing cached at 48
+    assert eng.state_pool.lookup(chain[96 // u - 1]) is not None
+    # a request sharing [0, 60) of the branch is not promised 48: it hits 32
+    later = branch[:60] + prompt(50, 25)
+    got = _run(eng, "c", later)
+    assert got[2] == 32
+    _same(got, _no_cache(later, False))
+    assert_no_leaks(eng)

@@ -9,9 +9,11 @@ Two tensor-free pools keyed by chain hashes (``hybridpd.hashing``)::
 What enters them, and when:
 
 * a completed prompt's full blocks (``register_prompt``; never decode's KV);
-* the one checkpoint a prefill snapshots (``save_checkpoint``; positions from
-  ``hybridpd.checkpoints``), exported with the prompt's full KV when the
-  prompt completes if ``export_checkpoints`` (``pop_exports``: for the store);
+* the checkpoints a prefill snapshots (``save_checkpoint``: the tail and any
+  extra positions the request named; positions from ``hybridpd.checkpoints``),
+  each exported with the prompt's full KV when the prompt completes if
+  ``export_checkpoints`` (``pop_exports``: for the store, which writes the KV
+  blocks it lacks, so the shared blocks go in once);
 * a verified store checkpoint (``import_checkpoint``).
 
 Every change of either pool goes to the :class:`CacheEventLog`
@@ -24,7 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence as Seq
 
-from hybridpd.checkpoints import checkpoint_slot_column, natural_position, needs_rekey
+from hybridpd.checkpoints import checkpoint_slot_column, extra_slot_column, natural_position
 from hybridpd.engine.base import CacheEvent, CacheGroup, KVExport, StateCheckpoint
 from hybridpd.engine.native import exports
 from hybridpd.engine.native.block_pool import BlockPool
@@ -67,45 +69,46 @@ class PrefixCache:
         )
         self.state_pool = self.state_cache.pool
         self.exports: list[tuple[KVExport, StateCheckpoint]] = []
-        #: rid -> the state a running prefill snapshotted, until its prompt completes
-        self.pending_exports: dict[str, StateCheckpoint] = {}
+        #: rid -> the states a running prefill snapshotted (ascending), until its prompt completes
+        self.pending_exports: dict[str, list[StateCheckpoint]] = {}
 
     def _cached_now(self) -> list[tuple[CacheGroup, list[BlockHash]]]:
         return [(CacheGroup.KV, list(self.kv_pool.cached)), (CacheGroup.STATE, list(self.state_pool.cached))]
 
     # -- a prefill's blocks and checkpoint -------------------------------------------------
     def register_prompt(self, seq: Sequence) -> None:
-        """Cache the full blocks of ``seq``'s completed prompt; export its checkpoint."""
+        """Cache the full blocks of ``seq``'s completed prompt; export its checkpoints."""
         if self.enabled:
             for i in range(seq.num_prompt // self.unit):
                 self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
-        state = self.pending_exports.pop(seq.rid, None)
-        if state is not None:
+        states = self.pending_exports.pop(seq.rid, None)
+        if states:
             # KV is exported now, not at the snapshot: the store needs every full
             # prompt block, including the replay block after the checkpoint that
-            # an EAGLE hit drops.
+            # an EAGLE hit drops. One copy serves every checkpoint of the prompt.
             full = seq.num_prompt // self.unit * self.unit
             kv = self.runner.export_kv(self.model_id, seq.block_ids, full, seq.block_hashes[: full // self.unit])
-            self.exports.append((kv, state))
+            self.exports.extend((kv, state) for state in states)
 
     def save_checkpoint(self, seq: Sequence, pos: int, states: list[DeltaState]) -> None:
         """Keep state@pos in a slot keyed by the chain hash of ``[0, pos)``.
 
-        NOTE: vLLM writes this state into slot column ceil(N/B) - 2, whose
-        natural key is state@(col+1)*B; when that is not ``pos`` the slot must
-        be re-keyed, or a restore would return state@pos as another boundary.
-        Our slots are keyed explicitly by the hash at ``pos``.
+        NOTE: vLLM writes the tail's state into slot column ceil(N/B) - 2 (an
+        extra checkpoint: ceil(pos/B) - 1), whose natural key is
+        state@(col+1)*B; when that is not ``pos`` the slot must be re-keyed, or
+        a restore would return state@pos as another boundary. Our slots are
+        keyed explicitly by the hash at ``pos``.
         """
         key = seq.block_hashes[pos // self.unit - 1]
         b = self.mamba_block_size
-        if needs_rekey(pos, seq.num_prompt, b):
-            col = checkpoint_slot_column(seq.num_prompt, b)
+        col = checkpoint_slot_column(seq.num_prompt, b) if pos == seq.tail_checkpoint else extra_slot_column(pos, b)
+        if natural_position(col, b) != pos:
             logger.debug(
                 "%s: slot column %d re-keyed from state@%d to state@%d", seq.rid, col, natural_position(col, b), pos
             )
         self.state_cache.store(key, states)
         if self.export_checkpoints:
-            self.pending_exports[seq.rid] = exports.export_state(self.model_id, states, pos, key)
+            self.pending_exports.setdefault(seq.rid, []).append(exports.export_state(self.model_id, states, pos, key))
 
     def drop(self, rid: str) -> None:
         """Forget what a finished (or aborted) request left pending."""

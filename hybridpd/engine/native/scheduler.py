@@ -15,7 +15,11 @@ chunks. Admission finds the hybrid hit (``checkpoints.longest_usable_hit``:
 leading cached KV blocks AND a state checkpoint at exactly the boundary),
 shares the hit blocks, reserves blocks for the whole request (prompt +
 max_tokens + drafts, so a running request never needs preemption), and plans
-the one checkpoint this prefill exports (``checkpoints.planned_checkpoint``).
+the checkpoints this prefill snapshots: the tail (``checkpoints.planned_checkpoint``)
+and the extra positions the request names (``EngineRequest.checkpoints``, made
+positions by ``checkpoints.requested_checkpoints``). A chunk snapshots at most
+one of them: a chunk that would contain two ends at the first (a multiple of
+16 like every chunk end, so the arithmetic is unchanged).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridpd.checkpoints import longest_usable_hit, planned_checkpoint
+from hybridpd.checkpoints import longest_usable_hit, planned_checkpoint, requested_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
 from hybridpd.engine.native.block_pool import BlockPool
@@ -55,6 +59,11 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached: int = 0
+    #: planned checkpoint positions, ascending: the extras, then the tail
+    checkpoints: tuple[int, ...] = ()
+    #: the tail among them (None: the tail is not valid for this prefill)
+    tail_checkpoint: int | None = None
+    #: the one the chunk scheduled last snapshots (``ModelRunner.execute`` reads it)
     checkpoint_pos: int | None = None
     restore_slot: int | None = None
 
@@ -150,7 +159,16 @@ class Scheduler:
         return max(budget, 0) // KERNEL_CHUNK * KERNEL_CHUNK
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        return self._chunk_len(seq.num_prompt - seq.num_computed, budget)
+        """The next chunk's length; sets the checkpoint it snapshots."""
+        start = seq.num_computed
+        n = self._chunk_len(seq.num_prompt - start, budget)
+        due = [p for p in seq.checkpoints if start < p <= start + n]
+        if len(due) > 1:
+            # NOTE: one snapshot per chunk: end it at the first (start and due[0]
+            # are both hit + multiples of 16, so the chunk stays kernel-aligned)
+            n = due[0] - start
+        seq.checkpoint_pos = due[0] if due else None
+        return n
 
     def hit_length(self, seq: Sequence) -> int:
         """The hybrid hit for ``seq`` against the local caches."""
@@ -177,10 +195,12 @@ class Scheduler:
         seq.num_computed = seq.num_cached = hit
         seq.restore_slot = self.state_pool.cached[seq.block_hashes[hit // cfg.unit - 1]] if hit else None
         if cfg.enable_caching:
-            seq.checkpoint_pos = planned_checkpoint(
-                hit, seq.num_prompt, seq.num_prompt, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle
-            )
-        logger.debug("admit %s: prompt %d, hit %d, checkpoint %s", seq.rid, seq.num_prompt, hit, seq.checkpoint_pos)
+            n, b, a = seq.num_prompt, cfg.mamba_block_size, cfg.alignment
+            tail = planned_checkpoint(hit, n, n, cfg.unit, b, a, cfg.eagle)
+            extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, cfg.eagle)
+            seq.tail_checkpoint = tail
+            seq.checkpoints = extra + (() if tail is None else (tail,))
+        logger.debug("admit %s: prompt %d, hit %d, checkpoints %s", seq.rid, seq.num_prompt, hit, seq.checkpoints)
         return True
 
     def admit_handoff(self, seq: Sequence) -> bool:

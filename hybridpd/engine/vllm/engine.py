@@ -20,6 +20,10 @@ ticket (``VllmTicket``) carries no buffers of ours but vLLM's ``kv_transfer_para
 
 Token ids in, token ids out: the router tokenizes (the tokenizer files are in
 the model directory, so both sides tokenize identically).
+
+``EngineRequest.checkpoints`` (extra checkpoint positions) is ignored: vLLM
+places its checkpoints itself and takes no positions from us; only the tail
+checkpoint (and vLLM's full-block states) are written and indexed.
 """
 
 from __future__ import annotations
