@@ -248,6 +248,21 @@ def leading_blocks(attention_blocks: Sequence[bool]) -> int:
     return n
 
 
+def known_prefix(num_tokens: int, unit: int, attention_blocks: Sequence[bool] | int) -> int:
+    """How far (tokens) a prompt of ``num_tokens`` has its attention blocks
+    cached: the leading run, capped like a hit (at least one token is computed),
+    without the EAGLE drop. The index reports the longest over every group; past
+    the usable hit it is the junction where the prompt leaves every known prefix.
+
+    >>> known_prefix(100, 16, [True] * 4 + [False, True]), known_prefix(64, 16, 10)
+    (64, 48)
+    """
+    if num_tokens <= 0:
+        return 0
+    leading = attention_blocks if isinstance(attention_blocks, int) else leading_blocks(attention_blocks)
+    return min(leading, (num_tokens - 1) // unit) * unit
+
+
 def longest_usable_hit(
     num_tokens: int,
     unit: int,

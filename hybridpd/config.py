@@ -58,6 +58,28 @@ class HybridPDConfig(BaseModel):
     hash_seed: str = Field(
         default_factory=default_seed, description="Seed of NONE_HASH (default PYTHONHASHSEED, else 'vllm-none-hash')."
     )
+    checkpoint_policy: Literal["branch-aware", "tail-only"] = Field(
+        "branch-aware",
+        description="branch-aware: a prefill also checkpoints the junction the index reports (where the prompt"
+        " leaves every known prefix) and, for chat, message boundaries; tail-only: the prompt's tail alone"
+        " (positions a client names in hybridpd_checkpoints are honoured either way).",
+    )
+    max_extra_checkpoints: int = Field(
+        4, ge=0, le=8, description="Extra checkpoints (junctions, message ends, client positions) per prefill."
+    )
+    state_cache_mb: float = Field(
+        64.0, gt=0, le=1 << 20, description="Recurrent-state checkpoint memory per engine, MiB (native engine)."
+    )
+    store_state_budget_mb: float = Field(
+        1024.0,
+        gt=0,
+        le=1 << 24,
+        description="State-checkpoint bytes each prefill instance may hold in MooncakeStore, MiB; past it the"
+        " least valuable of its checkpoints are evicted (DESIGN: checkpoint value).",
+    )
+    checkpoint_half_life_s: float = Field(
+        1800.0, gt=0, le=1 << 24, description="Age at which a checkpoint's value halves (eviction by value)."
+    )
     num_kv_blocks: int = Field(4096, ge=16, le=1 << 24, description="Attention KV blocks per engine.")
     max_num_batched_tokens: int = Field(512, ge=16, le=1 << 20, description="Prefill token budget per step.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Running requests per engine.")

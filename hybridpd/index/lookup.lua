@@ -5,7 +5,9 @@
 -- ARGV[4] "1" if EAGLE drops the last block
 -- ARGV[5] the chain as store KV keys, concatenated: prefix.."kv:"..h_1, prefix.."kv:"..h_2, ...
 --         (one string; all hashes have the length ARGV[6])
--- Returns {store_hit, inst_1, hit_1, inst_2, hit_2, ...} (hits in tokens).
+-- Returns {store_hit, known, inst_1, hit_1, inst_2, hit_2, ...} (tokens): the usable hits and
+-- ``known``, the longest leading run of the chain's KV blocks any group (store or live
+-- instance) holds, before the EAGLE drop: where the prompt leaves every known prefix (a junction).
 --
 -- Cost: per group, the leading run of KV blocks is read in chunks of ~30
 -- hashes and stops at the first absent one (a miss costs one chunk, not the
@@ -62,6 +64,7 @@ end
 -- count(first, last) -> (number present among first..last, ctx);
 -- locate(first, m, ctx) -> index (1-based within the chunk first..first + m - 1)
 -- of its first absent entry.
+local known = 0 -- the longest leading run of KV blocks in any group (before the EAGLE drop)
 local function leading(chunk, count, locate)
   local lead = 0
   while lead < cap do
@@ -74,6 +77,7 @@ local function leading(chunk, count, locate)
       break
     end
   end
+  if lead > known then known = lead end
   if eagle and lead > 0 then lead = lead - 1 end
   return lead
 end
@@ -115,7 +119,7 @@ local function exists31(o)
     sub(keys, o + 30 * stride + 1, o + 31 * stride))
 end
 
-local result = {0}
+local result = {0, 0}
 if cap > 0 then
   local function kv_keys(first, last)
     local k = {}
@@ -166,4 +170,5 @@ for _, inst in ipairs(instances) do
     redis.call("SREM", prefix .. "instances", inst)
   end
 end
+result[2] = known * unit
 return result

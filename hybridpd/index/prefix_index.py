@@ -37,10 +37,15 @@ class InstanceLoad:
 
 @dataclass(frozen=True, slots=True)
 class LookupResult:
-    """Longest usable hit (tokens) in the store and per live instance."""
+    """Longest usable hit (tokens) in the store and per live instance, and
+    ``known``: how far the prompt's attention blocks are known anywhere (store
+    or a live instance; a multiple of the unit, capped like a hit at the last
+    block before the final token, not reduced for EAGLE). Past the usable hits
+    it is the junction where the prompt leaves every cached prefix."""
 
     store_hit: int
     instance_hits: Mapping[str, int] = field(default_factory=dict)
+    known: int = 0
 
 
 @contextmanager
@@ -171,7 +176,7 @@ class PrefixIndex:
 
     # -- the lookup ------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
-        """One EVALSHA: the store hit and each live instance's local hit."""
+        """One EVALSHA: the store hit, each live instance's local hit and how far the chain is known."""
         packed = _pack_lookup(self.keys, block_hashes, num_tokens, unit, eagle)
         with _mapped():
             res = self._evalsha(LOOKUP_ARGC, packed)
@@ -223,8 +228,8 @@ def _arg(x: object) -> bytes:
 
 
 def _result(res: Sequence[Any]) -> LookupResult:
-    inst = {res[i].decode(): int(res[i + 1]) for i in range(1, len(res), 2)}
-    return LookupResult(int(res[0]), inst)
+    inst = {res[i].decode(): int(res[i + 1]) for i in range(2, len(res), 2)}
+    return LookupResult(int(res[0]), inst, int(res[1]))
 
 
 def _raw(field: bytes | str) -> bytes:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hybridpd.checkpoints import longest_usable_hit
+from hybridpd.checkpoints import known_prefix, longest_usable_hit
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHash, BlockHasher, HashAlgo
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
@@ -67,6 +67,7 @@ def test_lookup_equals_brute_force(
 
     assert got.store_hit == brute(kv_present, st_present)
     assert got.instance_hits == {"prefill-%d" % i: brute(kv, inst_st[i]) for i, kv in enumerate(inst_kv)}
+    assert got.known == max(known_prefix(n_tokens, UNIT, kv[:nb]) for kv in [kv_present, *inst_kv])
 
 
 LONG = HASHER.chain(list(range(3000, 3000 + 420 * UNIT)))  # 420 blocks: several of the lookup's chunks
@@ -118,6 +119,8 @@ def test_long_chain_lookup_equals_brute_force(
     assert got.instance_hits == {
         "prefill-%d" % j: brute(_presence(run, toggles), states) for j, (run, toggles, states) in enumerate(insts)
     }
+    groups = [kv] + [_presence(run, toggles) for run, toggles, _ in insts]
+    assert got.known == max(known_prefix(n_tokens, UNIT, g[:nb]) for g in groups)
 
 
 @pytest.mark.parametrize("algo", list(HashAlgo))
