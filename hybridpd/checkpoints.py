@@ -157,9 +157,10 @@ def is_extra_checkpoint_valid(
     column holding the initial state, ``(start - 1) // B``, or writing it
     would overwrite the state this prefill restored from.
     """
-    return is_checkpoint_valid(
-        query_start, query_end, position, unit, mamba_block_size, alignment
-    ) and extra_slot_column(position, mamba_block_size) > (query_start - 1) // mamba_block_size
+    return (
+        is_checkpoint_valid(query_start, query_end, position, unit, mamba_block_size, alignment)
+        and extra_slot_column(position, mamba_block_size) > (query_start - 1) // mamba_block_size
+    )
 
 
 def requested_checkpoints(
@@ -295,3 +296,64 @@ def longest_usable_hit(
         if 0 < pos <= cap and pos % unit == 0 and pos > best:
             best = pos
     return best
+
+
+def merge_requested(client: Sequence[int], derived: Sequence[int], num_tokens: int) -> tuple[int, ...]:
+    """One request's extra checkpoint positions: what the client named
+    (``hybridpd_checkpoints``, already validated) and what the router derived
+    (a junction from the index, chat message boundaries), ascending, each in
+    ``(0, num_tokens)``, at most :data:`MAX_REQUESTED_CHECKPOINTS`: every
+    derived one first, then the client's deepest. The engine makes positions
+    of them (:func:`requested_checkpoints`).
+
+    >>> merge_requested([10, 50], [50, 120, 0], 100)
+    (10, 50)
+    >>> merge_requested(list(range(1, 9)), [40], 100)
+    (2, 3, 4, 5, 6, 7, 8, 40)
+    """
+    keep = sorted({p for p in derived if 0 < p < num_tokens})[-MAX_REQUESTED_CHECKPOINTS:]
+    room = MAX_REQUESTED_CHECKPOINTS - len(keep)
+    rest = sorted({p for p in client if 0 < p < num_tokens} - set(keep))
+    return tuple(sorted(keep + (rest[len(rest) - room :] if room > 0 else [])))
+
+
+#: how the prompt tokens of a routed request split, in this order from token 0
+#: (``hybridpd_prefix_tokens_total{outcome}``; :func:`prefix_token_split`)
+PREFIX_OUTCOMES = ("hit", "checkpoint_missing", "evicted", "no_shared_prefix", "below_unit")
+
+
+def prefix_token_split(
+    num_tokens: int, unit: int, drop_eagle_block: bool, hit: int, known: int, seen: int
+) -> dict[str, int]:
+    """Why a prompt's tokens were (not) restored, as a partition of ``num_tokens``:
+
+    - ``hit``: restored (``hit``, the tokens the prefill did not compute);
+    - ``checkpoint_missing``: past the hit, up to the deepest hit ``known``
+      allows (how far the prompt's attention blocks were cached anywhere, from
+      the index lookup; with EAGLE one unit less, the replay unit): the KV was
+      there, but no state checkpoint at a usable boundary;
+    - ``evicted``: past that, up to the deepest hit ``seen`` allows (how far
+      the router had sent this prefix before): cached once, gone by now;
+    - ``no_shared_prefix``: the rest that a hit could have covered, up to the
+      largest hit the hit rule allows (``(N - 1) // u * u``, one unit less with
+      EAGLE);
+    - ``below_unit``: the tokens no hit can cover (the last partial unit, the
+      token the prefill must compute, EAGLE's replay unit).
+
+    >>> prefix_token_split(100, 16, False, hit=32, known=64, seen=80)
+    {'hit': 32, 'checkpoint_missing': 32, 'evicted': 16, 'no_shared_prefix': 16, 'below_unit': 4}
+    >>> prefix_token_split(10, 16, False, hit=0, known=0, seen=0)
+    {'hit': 0, 'checkpoint_missing': 0, 'evicted': 0, 'no_shared_prefix': 0, 'below_unit': 10}
+    """
+    drop = unit if drop_eagle_block else 0
+    cap = max((num_tokens - 1) // unit * unit - drop, 0) if num_tokens > 0 else 0
+    h = min(max(hit, 0), cap)
+    k = min(max(known - drop, h), cap)
+    s = min(max(seen - drop, k), cap)
+    return {
+        "hit": h,
+        "checkpoint_missing": k - h,
+        "evicted": s - k,
+        "no_shared_prefix": cap - s,
+        "below_unit": num_tokens - cap,
+    }

@@ -7,6 +7,7 @@ directory. Shared by the router and the engines.
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,13 +44,54 @@ class TextTokenizer:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self._render(messages, add_generation_prompt))
+
+    def _render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        text = self.template.render(
+        return self.template.render(
             messages=[{"role": m.role, "content": m.content} for m in messages],
             add_generation_prompt=add_generation_prompt,
         )
-        return self.encode(text)
+
+    def chat_with_boundaries(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
+    ) -> tuple[list[int], tuple[int, ...]]:
+        """The chat prompt's ids and where its turns begin, as token counts: the
+        start of the content of the first message after the leading system
+        message(s) (the system prompt and the template's header of the next
+        turn are what every conversation with that system prompt shares), and
+        the start of the content of the last user message (what a regenerated
+        or edited last turn shares). Ascending, each in ``(0, len(ids))``;
+        empty when there is no such boundary (or the template does not render
+        the contents verbatim).
+
+        A boundary inside a token counts that token out (the position is where
+        the last token that ends at or before the content starts ends), so the
+        prefix before it tokenizes alike in every prompt that shares it.
+        """
+        text = self._render(messages, add_generation_prompt)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        starts: list[int] = []  # char offset where each message's content starts
+        at = 0
+        for m in messages:
+            i = text.find(m.content, at)
+            if i < 0:
+                return enc.ids, ()
+            starts.append(i)
+            at = i + len(m.content)
+        n_sys = 0
+        while n_sys < len(messages) and messages[n_sys].role == "system":
+            n_sys += 1
+        chars = set()
+        if 0 < n_sys < len(messages):
+            chars.add(starts[n_sys])
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+        if last_user > 0:
+            chars.add(starts[last_user])
+        ends = [e for _, e in enc.offsets]
+        out = {bisect.bisect_right(ends, c) for c in chars}
+        return enc.ids, tuple(sorted(p for p in out if 0 < p < len(enc.ids)))
 
 
 class IncrementalDetokenizer:

@@ -23,11 +23,12 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ray.exceptions import RayActorError
 
+from hybridpd.checkpoints import merge_requested
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
@@ -36,7 +37,7 @@ from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
-from services.router.routing import RecentPrefills, RouteDecision, choose, dispatch_work
+from services.router.routing import RecentPrefills, RouteDecision, SeenPrefixes, choose, dispatch_work
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -51,6 +52,12 @@ class Route:
     decision: RouteDecision
     #: the prompt's chain hashes (None when caching or the index is off)
     hashes: list[BlockHash] | None
+    #: how far the prompt's attention blocks are cached anywhere (tokens; the index lookup)
+    known: int = 0
+    #: how far this router sent the prompt's prefix before (tokens; SeenPrefixes)
+    seen: int = 0
+    #: the lookup answered: ``known`` and ``seen`` say why the prefix (did not) hit
+    looked_up: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +66,8 @@ class _Hits:
     local: dict[str, int]
     store: int
     index_ok: bool
+    known: int = 0
+    seen: int = 0
 
 
 @dataclass(slots=True)
@@ -107,6 +116,8 @@ class Dispatcher:
         self.queued: dict[str, float] = dict.fromkeys(prefill, 0.0)
         #: checkpoints our finished prefills left, until the index reports them (a hint)
         self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
+        #: how far we routed each prefix before (the ``evicted`` outcome)
+        self.seen = SeenPrefixes()
         self._rr_decode = itertools.count()
         self._rr_prefill = itertools.count()
 
@@ -122,9 +133,23 @@ class Dispatcher:
         hits = await self._lookup(req)
         if force is not None:
             lh = hits.local.get(force, 0)
-            return Route(RouteDecision(force, max(lh, hits.store), hits.store, lh, "forced"), hits.hashes)
-        n = len(req.prompt_token_ids)
-        return Route(choose(n, names, hits.local, hits.store, self.queued, hits.index_ok), hits.hashes)
+            decision = RouteDecision(force, max(lh, hits.store), hits.store, lh, "forced")
+        else:
+            decision = choose(len(req.prompt_token_ids), names, hits.local, hits.store, self.queued, hits.index_ok)
+        looked_up = hits.index_ok and hits.hashes is not None
+        return Route(decision, hits.hashes, hits.known, hits.seen, looked_up)
+
+    def with_junction(self, req: EngineRequest, route: Route) -> EngineRequest:
+        """``req`` as its prefill runs it: under the branch-aware policy, with the
+        junction the lookup found (where the prompt leaves every cached prefix)
+        among its checkpoint positions when it lies past the hit, so the second
+        request to share a prefix leaves a checkpoint there for every later one
+        (the engine rounds it down to a position it can write:
+        ``checkpoints.requested_checkpoints``)."""
+        if self.cfg.checkpoint_policy != "branch-aware" or route.known <= route.decision.expected_hit:
+            return req
+        merged = merge_requested(req.checkpoints, (route.known,), len(req.prompt_token_ids))
+        return req if merged == req.checkpoints else replace(req, checkpoints=merged)
 
     async def _lookup(self, req: EngineRequest) -> _Hits:
         """Hash the prompt and look it up: local hits (raised by RecentPrefills) and the store hit."""
@@ -133,17 +158,23 @@ class Dispatcher:
         n = len(req.prompt_token_ids)
         # NOTE: off the event loop: a 164K-token chain is ~0.8 ms of C (it holds the GIL while it
         # reads the list's ints; an int32 buffer would let it run without)
-        hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
+        hashes, seen = await asyncio.to_thread(self._chain, req)
         t0 = time.perf_counter()
         try:
             res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
             self.metrics.live_prefill.set(len(res.instance_hits))
-            return _Hits(hashes, self.recent.merge(hashes, n, res.instance_hits), res.store_hit, True)
+            local = self.recent.merge(hashes, n, res.instance_hits)
+            return _Hits(hashes, local, res.store_hit, True, res.known, seen * self.cfg.prefix_match_unit)
         except UnavailableError as exc:
             logger.warning("prefix index unavailable, routing on load only: %s", exc)
             return _Hits(hashes, {}, 0, False)
         finally:
             self.metrics.index_lookup.observe(time.perf_counter() - t0)
+
+    def _chain(self, req: EngineRequest) -> tuple[list[BlockHash], int]:
+        """The prompt's chain hashes and how many of its blocks we routed before (a worker thread)."""
+        hashes = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
+        return hashes, self.seen.observe(hashes)
 
     # -- prefill ------------------------------------------------------------------------
     async def prefill(

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from hybridpd.checkpoints import PREFIX_OUTCOMES
+
 # Buckets that fit LLM latencies: 5 ms .. 2 min.
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _FAST = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
@@ -45,6 +47,16 @@ class RouterMetrics:
         self.configured_prefill = Gauge(
             "hybridpd_configured_prefill_instances", "Prefill instances the router was started with.", registry=r
         )
+        self.prefix_tokens = Counter(
+            "hybridpd_prefix_tokens",
+            "Prompt tokens of looked-up requests by why they were (not) restored: hit, checkpoint_missing"
+            " (attention cached further than any usable state checkpoint), evicted (routed before, gone now),"
+            " no_shared_prefix, below_unit (no hit can cover them).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in PREFIX_OUTCOMES:
+            self.prefix_tokens.labels(outcome)
         self.index_lookup = Histogram(
             "hybridpd_index_lookup_seconds", "Prefix index lookup (one round trip).", buckets=_FAST, registry=r
         )

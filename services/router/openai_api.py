@@ -155,8 +155,13 @@ async def completions(body: CompletionRequest, request: Request, st: State) -> R
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
-    tokens = st.orch.tokenizer.apply_chat_template([ChatMessage(m.role, m.content) for m in body.messages])
-    req = _engine_request(st, body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant)
+    tokens, turns = st.orch.tokenizer.chat_with_boundaries([ChatMessage(m.role, m.content) for m in body.messages])
+    # branch-aware: checkpoint where the system prompt's shared part ends and where the last
+    # user turn starts, so the first conversation already leaves them reusable
+    marks = list(turns) if st.orch.cfg.checkpoint_policy == "branch-aware" else []
+    req = _engine_request(
+        st, body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant, marks
+    )
     return await _generate(st, body, req, "chat", "chat")
 
 
@@ -271,7 +276,7 @@ def _usage(ev: Event) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
+    } | ({"hybridpd_prefix_tokens": dict(u.prefix_tokens)} if u.prefix_tokens is not None else {})
 
 
 async def _sse(

@@ -27,6 +27,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import InvalidRequestError, UnavailableError
@@ -98,8 +99,9 @@ class Orchestrator:
         run = _Run(req, api, deadline, Flight(req.request_id))
         self.running[req.request_id] = run.flight
         try:
-            pr = await self._prefill(run, force_instance)
-            out = run.output = OutputProcessor(self.tokenizer, stop, len(req.prompt_token_ids), pr.num_cached_tokens)
+            pr, split = await self._prefill(run, force_instance)
+            n = len(req.prompt_token_ids)
+            out = run.output = OutputProcessor(self.tokenizer, stop, n, pr.num_cached_tokens, split)
             done = pr.finish_reason is not None or not pr.has_handoff  # the request ended at prefill
             if pr.token_ids or pr.finish_reason is not None:
                 ev = self._event(run, out, pr.token_ids, done, pr.finish_reason or "length")
@@ -121,18 +123,29 @@ class Orchestrator:
         finally:
             self._end(run)
 
-    async def _prefill(self, run: _Run, force_instance: str | None) -> PrefillResult:
-        """Route and prefill ``run.req``; counts the decision and the prompt."""
+    async def _prefill(self, run: _Run, force_instance: str | None) -> tuple[PrefillResult, dict[str, int] | None]:
+        """Route and prefill ``run.req``; counts the decision and the prompt. Returns the
+        result and, for a looked-up request, why its prompt tokens were (not) restored."""
         req = run.req
         route = await self.dispatch.route(req, force_instance)
         decision = route.decision
         self.metrics.routing.labels(decision.kind).inc()
         self.metrics.queue_time.observe(run.deadline.elapsed())
-        pr = await self.dispatch.prefill(req, decision, run.flight, run.deadline, route.hashes)
+        preq = self.dispatch.with_junction(req, route)
+        pr = await self.dispatch.prefill(preq, decision, run.flight, run.deadline, route.hashes)
         run.last = time.perf_counter()
         n = len(req.prompt_token_ids)
         self.metrics.prompt_tokens.inc(n)
         self.metrics.cached_tokens.inc(pr.num_cached_tokens)
+        split = None
+        if route.looked_up:
+            cfg = self.cfg
+            split = prefix_token_split(
+                n, cfg.prefix_match_unit, cfg.eagle, pr.num_cached_tokens, route.known, route.seen
+            )
+            for outcome, count in split.items():
+                if count:
+                    self.metrics.prefix_tokens.labels(outcome).inc(count)
         logger.info(
             "request %s: %d prompt tokens, %d cached (%s on %s)",
             req.request_id,
@@ -141,7 +154,7 @@ class Orchestrator:
             decision.kind,
             decision.instance,
         )
-        return pr
+        return pr, split
 
     def _decoded(self, run: _Run, out: OutputProcessor, chunk: TokenChunk) -> Event:
         now = time.perf_counter()

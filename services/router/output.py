@@ -11,7 +11,7 @@ Tensor-free and actor-free: unit-tested on token ids alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
@@ -22,6 +22,9 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    #: why the prompt's tokens were (not) restored (``checkpoints.prefix_token_split``);
+    #: None when the request was not looked up in the index
+    prefix_tokens: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,16 +67,24 @@ class OutputProcessor:
     """One request's output. Feed :meth:`push` the prefill's tokens, then every
     decode chunk, until it returns a finished Event; not reusable."""
 
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str], prompt_tokens: int, cached_tokens: int) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        stop: Sequence[str],
+        prompt_tokens: int,
+        cached_tokens: int,
+        prefix_tokens: Mapping[str, int] | None = None,
+    ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopWindow(stop)
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
+        self.prefix_tokens = prefix_tokens
         #: output tokens received so far (all of a chunk count, even past a stop string)
         self.count = 0
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.cached_tokens, self.count)
+        return Usage(self.prompt_tokens, self.cached_tokens, self.count, self.prefix_tokens)
 
     def push(self, token_ids: tuple[int, ...], done: bool, finish_reason: str | None) -> Event:
         """The Event for ``token_ids``: finished with reason "stop" (its text cut

@@ -42,6 +42,7 @@ of it yet. Two mechanisms:
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -211,3 +212,49 @@ class RecentPrefills:
             del by_hash[key[0]]
             if not by_hash:
                 del self._by_block[got[0]]
+
+
+class SeenPrefixes:
+    """How far this router has sent a prompt's prefix before (for the
+    ``evicted`` share of ``hybridpd_prefix_tokens_total``): a bounded set of the
+    chain hashes of every full block it routed, oldest dropped first.
+
+    A chain hash names its whole prefix, so while nothing was dropped,
+    membership is monotone along a prompt's chain: :meth:`observe` finds the
+    seen run by bisection (``O(log n)`` probes), then adds only the blocks
+    past it. A chain whose head was dropped counts 0 and is added again whole.
+    Once entries are dropped (past ``max_entries`` blocks: 2M tokens at
+    u=16 by default) the count is approximate (a diagnostic, like the metric it
+    feeds). Thread-safe.
+    """
+
+    def __init__(self, max_entries: int = 1 << 17) -> None:
+        self.max_entries = max_entries
+        self._hashes: dict[bytes, None] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def observe(self, hashes: Sequence[bytes]) -> int:
+        """The number of leading blocks of ``hashes`` seen before; then remember them all."""
+        with self._lock:
+            known = self._hashes
+            lo, hi = 0, len(hashes)  # known[h] for h in hashes[:lo]; not for hashes[hi:]
+            if hashes and hashes[0] not in known:
+                hi = 0  # a new prefix, or its head was dropped: added again whole, head first
+                for h in hashes:
+                    known.pop(h, None)
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if hashes[mid - 1] in known:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            for h in hashes[lo:]:
+                known[h] = None
+            excess = len(known) - self.max_entries
+            if excess > 0:
+                for h in list(itertools.islice(known, excess)):
+                    del known[h]
+            return lo

@@ -93,6 +93,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     enable_caching: bool
+    #: extra checkpoints per prefill (the deepest of the requested are kept)
+    max_extra: int = 4
 
     @classmethod
     def of(cls, cfg: HybridPDConfig) -> SchedulerConfig:
@@ -105,6 +107,7 @@ class SchedulerConfig:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs,
             enable_caching=cfg.enable_prefix_caching,
+            max_extra=cfg.max_extra_checkpoints,
         )
 
 
@@ -197,7 +200,7 @@ class Scheduler:
         if cfg.enable_caching:
             n, b, a = seq.num_prompt, cfg.mamba_block_size, cfg.alignment
             tail = planned_checkpoint(hit, n, n, cfg.unit, b, a, cfg.eagle)
-            extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, cfg.eagle)
+            extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, cfg.eagle, cfg.max_extra)
             seq.tail_checkpoint = tail
             seq.checkpoints = extra + (() if tail is None else (tail,))
         logger.debug("admit %s: prompt %d, hit %d, checkpoints %s", seq.rid, seq.num_prompt, hit, seq.checkpoints)

@@ -1,0 +1,151 @@
+"""Branch-aware checkpoints, router side (issue #16): where the extra positions
+come from (junction, chat turns, client), how they merge, and why a prefix
+missed (``hybridpd_prefix_tokens_total``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridpd.checkpoints import (
+    MAX_REQUESTED_CHECKPOINTS,
+    PREFIX_OUTCOMES,
+    merge_requested,
+    prefix_token_split,
+)
+from hybridpd.config import load_config
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.engine.native.tiny import resolve_model_dir
+from hybridpd.hashing import BlockHasher
+from hybridpd.tokenizer import ChatMessage, TextTokenizer
+from hybridpd.validation import validate_checkpoints
+from services.router.dispatch import Dispatcher, Route
+from services.router.metrics import RouterMetrics
+from services.router.routing import RouteDecision, SeenPrefixes
+
+pytestmark = pytest.mark.unit
+
+TOK = TextTokenizer(resolve_model_dir("tiny"))
+SYSTEM = "You are the support assistant of a delta-rule company. Answer briefly."
+
+
+# -- prefix_token_split --------------------------------------------------------------------
+@given(
+    n=st.integers(0, 2000),
+    unit=st.sampled_from([1, 4, 16, 64]),
+    eagle=st.booleans(),
+    hit=st.integers(0, 2100),
+    known=st.integers(0, 2100),
+    seen=st.integers(0, 2100),
+)
+def test_prefix_split_partitions_the_prompt(n: int, unit: int, eagle: bool, hit: int, known: int, seen: int) -> None:
+    split = prefix_token_split(n, unit, eagle, hit, known, seen)
+    assert tuple(split) == PREFIX_OUTCOMES
+    assert all(v >= 0 for v in split.values())
+    assert sum(split.values()) == n
+    cap = max((n - 1) // unit * unit - (unit if eagle else 0), 0) if n else 0
+    assert split["below_unit"] == n - cap
+    assert split["hit"] == min(hit, cap)
+
+
+def test_prefix_split_names_each_reason() -> None:
+    # no EAGLE, u=16, 200 tokens: a hit of 64, attention known to 128, routed before to 160
+    assert prefix_token_split(200, 16, False, 64, 128, 160) == {
+        "hit": 64,
+        "checkpoint_missing": 64,
+        "evicted": 32,
+        "no_shared_prefix": 32,
+        "below_unit": 8,
+    }
+    # with EAGLE the replay unit is not a usable hit: known 128 allows 112
+    assert prefix_token_split(200, 16, True, 64, 128, 128)["checkpoint_missing"] == 48
+
+
+# -- merge_requested -----------------------------------------------------------------------
+@given(
+    n=st.integers(2, 5000),
+    client=st.lists(st.integers(1, 4999), max_size=MAX_REQUESTED_CHECKPOINTS, unique=True),
+    derived=st.lists(st.integers(-5, 6000), max_size=12),
+)
+def test_merged_positions_are_a_valid_request(n: int, client: list[int], derived: list[int]) -> None:
+    client = sorted(p for p in client if p < n)
+    merged = merge_requested(client, derived, n)
+    validate_checkpoints(merged, n)  # what the engine accepts: ascending, inside, bounded
+    inside = sorted({p for p in derived if 0 < p < n})
+    assert set(inside[-MAX_REQUESTED_CHECKPOINTS:]) <= set(merged)  # derived positions first
+    assert set(merged) <= set(client) | set(inside)
+
+
+# -- SeenPrefixes ---------------------------------------------------------------------------
+def test_seen_prefixes_finds_the_routed_run_and_stays_bounded() -> None:
+    hasher = BlockHasher(unit=4, seed="seen")
+    a = hasher.chain(list(range(100, 140)))  # 10 blocks
+    b = hasher.chain(list(range(100, 124)) + [7] * 16)  # shares 6 blocks with a
+    seen = SeenPrefixes(max_entries=100)
+    assert seen.observe(a) == 0
+    assert seen.observe(a) == 10
+    assert seen.observe(b) == 6
+    assert seen.observe(a[:3]) == 3
+    assert len(seen) == 14
+    small = SeenPrefixes(max_entries=12)
+    small.observe(a)
+    small.observe(b)
+    assert len(small) == 12  # the oldest (a's first blocks) dropped first
+    assert small.observe(a) == 0  # its head is gone: under-counted, never over-counted
+
+
+# -- chat turns -----------------------------------------------------------------------------
+def test_chat_boundaries_mark_what_conversations_share() -> None:
+    one = [ChatMessage("system", SYSTEM), ChatMessage("user", "Where is my order?")]
+    two = [ChatMessage("system", SYSTEM), ChatMessage("user", "How do I reset my password?")]
+    ids1, (b1,) = TOK.chat_with_boundaries(one)
+    ids2, (b2,) = TOK.chat_with_boundaries(two)
+    assert ids1 == TOK.apply_chat_template(one) and ids2 == TOK.apply_chat_template(two)
+    assert b1 == b2 and ids1[:b1] == ids2[:b2]  # the system prompt and the next turn's header
+    shared = next(i for i, (x, y) in enumerate(zip(ids1, ids2, strict=False)) if x != y)
+    assert b1 == shared  # nothing of the user's own text before the boundary
+    assert TOK.decode(ids1[b1:]).startswith("Where is my order?")
+
+
+def test_chat_boundaries_of_a_multi_turn_conversation() -> None:
+    msgs = [
+        ChatMessage("system", SYSTEM),
+        ChatMessage("user", "What is the capital of France?"),
+        ChatMessage("assistant", "Paris."),
+        ChatMessage("user", "And of Spain?"),
+    ]
+    ids, turns = TOK.chat_with_boundaries(msgs)
+    assert len(turns) == 2
+    first, last = turns
+    assert TOK.decode(ids[first:]).startswith("What is the capital")
+    assert TOK.decode(ids[last:]).startswith("And of Spain?")
+    # an edited last question shares everything before the last boundary
+    edited = [*msgs[:3], ChatMessage("user", "Which river runs through it?")]
+    ids2, turns2 = TOK.chat_with_boundaries(edited)
+    assert turns2[-1] == last and ids2[:last] == ids[:last]
+
+
+def test_chat_without_a_system_prompt_or_history_has_no_boundary() -> None:
+    assert TOK.chat_with_boundaries([ChatMessage("user", "hello")])[1] == ()
+    assert TOK.chat_with_boundaries([ChatMessage("system", SYSTEM)])[1] == ()
+
+
+# -- the junction the router adds -------------------------------------------------------------
+def _dispatcher(**cfg: Any) -> Dispatcher:
+    return Dispatcher(load_config(env={}, overrides=cfg), None, {"p": object()}, [object()], RouterMetrics())
+
+
+def _route(hit: int, known: int) -> Route:
+    return Route(RouteDecision("p", hit, 0, hit, "local_hit"), [], known, known, True)
+
+
+def test_branch_aware_router_adds_the_junction_past_the_hit() -> None:
+    req = EngineRequest(RequestId("r"), tuple(range(3, 303)), SamplingParams(), None, (40,))
+    d = _dispatcher()
+    assert d.with_junction(req, _route(64, 240)).checkpoints == (40, 240)
+    assert d.with_junction(req, _route(64, 64)) is req  # nothing known past the hit
+    assert d.with_junction(req, _route(0, 300)) is req  # the whole prompt: no junction inside it
+    assert _dispatcher(checkpoint_policy="tail-only").with_junction(req, _route(64, 240)) is req
