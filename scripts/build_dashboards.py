@@ -139,6 +139,36 @@ STATE_PLANE = dashboard(
         ),
         panel("Index lookup latency", quantiles("hybridpd_index_lookup_seconds"), "s"),
         panel(
+            "Prompt tokens by prefix outcome (why a prefix missed)",
+            [q("sum by (outcome) (rate(hybridpd_prefix_tokens_total[$__rate_interval]))", "{{outcome}}")],
+            "short",
+        ),
+        panel(
+            "Reusable prefix restored (hit / (hit + checkpoint_missing + evicted))",
+            [
+                q(
+                    'sum(rate(hybridpd_prefix_tokens_total{outcome="hit"}[$__rate_interval]))'
+                    ' / sum(rate(hybridpd_prefix_tokens_total{outcome=~"hit|checkpoint_missing|evicted"}'
+                    "[$__rate_interval]))",
+                    "restored share",
+                )
+            ],
+            "percentunit",
+        ),
+        panel(
+            "State checkpoints in the store (per instance, bounded by store_state_budget_mb)",
+            [q("sum by (instance) (ray_hybridpd_store_state_bytes)", "{{instance}}")],
+            "bytes",
+        ),
+        panel(
+            "State checkpoints: bytes put and evictions by value",
+            [
+                q("sum(rate(ray_hybridpd_checkpoint_state_bytes_total[$__rate_interval]))", "state bytes put/s"),
+                q("sum(rate(ray_hybridpd_checkpoint_evictions_total[$__rate_interval]))", "evictions/s"),
+            ],
+            "short",
+        ),
+        panel(
             "Prefill tokens: computed vs restored",
             [
                 q("sum(rate(ray_hybridpd_prefill_computed_tokens_total[$__rate_interval]))", "computed"),
