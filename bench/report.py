@@ -73,3 +73,29 @@ def plot_bars(path: Path, panels: dict[str, dict[str, float]], title: str) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_grouped(path: Path, panels: dict[str, dict[str, dict[str, float]]], title: str) -> None:
+    """One grouped bar chart per panel (``{series: {group: value}}``: a bar per
+    series in each group), side by side, saved as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5))
+    axes = axes if len(panels) > 1 else [axes]
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860"]
+    for ax, (name, series) in zip(axes, panels.items(), strict=True):
+        groups = list(dict.fromkeys(g for s in series.values() for g in s))
+        width = 0.8 / max(len(series), 1)
+        for i, (label, values) in enumerate(series.items()):
+            xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(groups))]
+            ax.bar(xs, [values.get(g, 0.0) for g in groups], width, label=label, color=colors[i % len(colors)])
+        ax.set_xticks(range(len(groups)), groups, rotation=30, fontsize=8)
+        ax.set_title(name, fontsize=10)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -219,6 +219,56 @@ def bench_growing_streams(
     click.echo("wrote %s (+ .png, .md)" % json_path)
 
 
+@bench.command("shared-prefix")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where to write [default: bench/results/shared_prefix.json; with --quick, shared_prefix_quick.json]",
+)
+@click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Choice(["tail-only", "branch-aware", "nocache", "vllm-direct"]),
+    help="Run only these variants and merge them into the same workload's results already in --json"
+    " (vllm-direct needs the vLLM environment: make bootstrap-vllm).",
+)
+@click.option(
+    "--workload",
+    "workload",
+    multiple=True,
+    metavar="FIELD=INT",
+    help="Override the workload (bench/shared_prefix.py Workload: conversations, system_tokens, ...,"
+    " unit, mamba_block_size, seed), e.g. --workload mamba_block_size=16.",
+)
+def bench_shared_prefix(
+    json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...]
+) -> None:
+    """Fan-out, agent-tree and multi-turn prompts: cached tokens against the ideal, per checkpoint policy."""
+    from pathlib import Path
+
+    from bench import shared_prefix, shared_prefix_run
+
+    if json_path is None:  # a --quick run never overwrites the full run's results
+        json_path = "bench/results/shared_prefix_quick.json" if quick else "bench/results/shared_prefix.json"
+    fields = shared_prefix.Workload.__dataclass_fields__
+    overrides = {}
+    for item in workload:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or not value.isdigit():
+            raise click.BadParameter("expected FIELD=INT with FIELD one of %s, got %r" % (", ".join(fields), item))
+        overrides[key] = int(value)
+    out = shared_prefix_run.run(Path(json_path), quick, list(variants) or None, overrides)
+    click.echo(Path(json_path).with_suffix(".md").read_text())
+    click.echo("checks: %s" % out["checks"])
+    for name, note in out["notes"].items():
+        click.echo("%s: %s" % (name, note))
+    click.echo("wrote %s (+ .png, .md)" % json_path)
+
+
 @bench.command("router")
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/router.json", show_default=True

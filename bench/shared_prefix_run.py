@@ -1,0 +1,309 @@
+"""Runs the shared-prefix workload (``bench.shared_prefix``: the plan, the ideal,
+the summaries) against each variant and writes JSON + PNG + markdown
+(``hybridpd bench shared-prefix``).
+
+Requests go one at a time, streaming (TTFT: the first chunk with a choice);
+``usage.prompt_tokens_details.cached_tokens`` is the hit. State bytes come from
+the prefill actors' counters in ``/v1/hybridpd/stats``, read (settled) after
+each phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.shared_prefix import (
+    COUNTING,
+    KINDS,
+    PHASES,
+    QUICK,
+    ChatEncoder,
+    Messages,
+    PlannedRequest,
+    Workload,
+    build_plan,
+    ideal_tokens,
+    summarize,
+)
+
+
+def native_chat_encoder() -> ChatEncoder:
+    """The router's tokenization of chat messages (the bundled model's assets)."""
+    import hybridpd
+    from hybridpd.tokenizer import ChatMessage, TextTokenizer
+
+    tok = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+    return lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs])
+
+
+def _send(client: httpx.Client, url: str, r: PlannedRequest, max_tokens: int) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if r.chat:
+        body["messages"] = [{"role": role, "content": c} for role, c in r.messages]
+    else:
+        body["prompt"] = list(r.tokens)
+    t0 = time.perf_counter()
+    ttft = usage = None
+    path = "/v1/chat/completions" if r.chat else "/v1/completions"
+    with client.stream("POST", url + path, json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if ttft is None and data.get("choices"):
+                ttft = time.perf_counter() - t0
+            usage = data.get("usage") or usage
+    assert usage is not None and ttft is not None, "stream without usage or tokens"
+    return {"usage": usage, "ttft_ms": ttft * 1e3}
+
+
+def _state_counter(url: str) -> tuple[str | None, int]:
+    """The prefill actors' state bytes written to the store, summed: the
+    ``checkpoint_state_bytes`` counter, else ``checkpoint_export_bytes`` (KV included)."""
+    try:
+        stats = httpx.get(url + "/v1/hybridpd/stats", timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return None, 0
+    prefill = [s for name, s in stats.items() if name.startswith("prefill")]
+    for key in ("checkpoint_state_bytes", "checkpoint_export_bytes"):
+        if prefill and all(key in s for s in prefill):
+            return key, sum(int(s[key]) for s in prefill)
+    return None, 0
+
+
+def _settled_counter(url: str) -> tuple[str | None, int]:
+    """The counter once exports in flight have landed (unchanged for 0.5 s; at most 10 s)."""
+    key, last = _state_counter(url)
+    deadline = time.monotonic() + 10
+    while key is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = _state_counter(url)[1]
+        if now == last:
+            break
+        last = now
+    return key, last
+
+
+def run_plan(
+    url: str, plan: Sequence[PlannedRequest], w: Workload, encode: ChatEncoder, native: bool
+) -> dict[str, Any]:
+    """Send ``plan`` to ``url`` one request at a time; ``encode`` gives the chat
+    prompts' token ids (checked against ``usage.prompt_tokens``). ``native`` (our
+    stack): read the state-bytes counter from ``/v1/hybridpd/stats`` after each
+    phase, and record per request the tail checkpoint its prefill could leave
+    (``checkpoints.planned_checkpoint`` of ``[cached, N)``; None: the protocol's
+    rules forbid it, so a later request cannot hit the prompt's end)."""
+    from tqdm import tqdm
+
+    from hybridpd.checkpoints import planned_checkpoint
+    from hybridpd.config import HybridPDConfig
+
+    align = HybridPDConfig.model_fields["checkpoint_alignment"].default
+
+    prompts = [encode(r.messages) if r.chat else list(r.tokens) for r in plan]
+    ideals = ideal_tokens(prompts, w.unit)
+    records: list[dict[str, Any]] = []
+    state_bytes: dict[str, int] = {}
+    counter, before = _settled_counter(url) if native else (None, 0)
+    with httpx.Client() as client:
+        for i, r in enumerate(tqdm(plan, desc="requests", unit="req")):
+            res = _send(client, url, r, w.max_tokens)
+            u = res["usage"]
+            records.append(
+                {
+                    "phase": r.phase,
+                    "label": r.label,
+                    "counted": r.counted,
+                    "prompt_tokens": len(prompts[i]),
+                    "reported_prompt_tokens": u["prompt_tokens"],
+                    "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                    "ideal_tokens": ideals[i],
+                    "ttft_ms": res["ttft_ms"],
+                    "prefix_tokens": u.get("hybridpd_prefix_tokens"),
+                }
+            )
+            if native:
+                n, hit = len(prompts[i]), records[-1]["cached_tokens"]
+                records[-1]["tail_checkpoint"] = planned_checkpoint(hit, n, n, w.unit, w.mamba_block_size, align, False)
+            if counter is not None and (i + 1 == len(plan) or plan[i + 1].phase != r.phase):
+                after = _settled_counter(url)[1]
+                state_bytes[r.phase], before = after - before, after
+    return {
+        "phases": summarize(records, state_bytes if counter else None),
+        "state_bytes_counter": counter,
+        "prompt_tokens_match": all(x["prompt_tokens"] == x["reported_prompt_tokens"] for x in records),
+        "requests": records,
+    }
+
+
+def variants(w: Workload) -> dict[str, list[str]]:
+    common = ["--prefix-match-unit", str(w.unit), "--mamba-block-size", str(w.mamba_block_size)]
+    return {
+        "tail-only": [*common, "--checkpoint-policy", "tail-only"],
+        "branch-aware": [*common, "--checkpoint-policy", "branch-aware"],
+        "nocache": [*common, "--no-enable-prefix-caching"],
+        "vllm-direct": [],  # not our stack: see _run_vllm
+    }
+
+
+def _vllm_server(venv: Path, tmp: Path, unit: int, max_model_len: int) -> tuple[Any, str]:
+    """Plain ``vllm serve`` with its shared-prefix junction option: through
+    ``VllmServer``'s own parameter for it when it has one, else as a serve flag."""
+    from bench.vllm_direct import VllmServer
+
+    flag = "--enable-mamba-shared-prefix-checkpoint"
+    param = next((p for p in inspect.signature(VllmServer).parameters if "shared_prefix" in p), None)
+    if param is not None:
+        kwargs: dict[str, Any] = {param: True}
+        return VllmServer(venv, tmp, unit, max_model_len, **kwargs), "VllmServer(%s=True)" % param
+    srv = VllmServer(venv, tmp, unit, max_model_len)
+    srv.argv.append(flag)
+    return srv, "serve flag %s" % flag
+
+
+def _run_vllm(plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
+    from bench.vllm_direct import vllm_venv
+
+    venv = vllm_venv()
+    if venv is None:
+        raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
+    srv, how = _vllm_server(venv, tmp, w.unit, 4096)
+    with srv:
+
+        def encode(msgs: Messages) -> list[int]:  # vLLM's own chat template and tokenizer
+            body = {"model": "tiny", "messages": [{"role": r, "content": c} for r, c in msgs]}
+            resp = httpx.post(srv.http + "/tokenize", json={**body, "add_generation_prompt": True}, timeout=60)
+            resp.raise_for_status()
+            return list(resp.json()["tokens"])
+
+        out = run_plan(srv.http, plan, w, encode, native=False)
+    out["junction_option"] = how + (
+        "; vLLM 0.32 enables it only with EAGLE on the Mamba group (KVCacheManager:"
+        " coordinator.eagle_group_ids), so with EAGLE off (CPU) it is inert"
+    )
+    return out
+
+
+def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
+    """Variants already in ``json_path`` for this same workload (``--variant`` reruns merge into them)."""
+    try:
+        old = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("workload") != asdict(w) or old.get("quick") != quick:
+        return {}
+    return dict(old.get("variants", {}))
+
+
+def run(
+    json_path: Path, quick: bool, only: list[str] | None = None, overrides: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """Run the variants (all, or ``only`` these, merged into the same workload's
+    earlier results in ``json_path``) and write JSON + PNG + markdown.
+    ``overrides`` replace workload fields (``--workload``)."""
+    from launch.stack_process import StackProcess
+
+    w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
+    plan = build_plan(w, native_chat_encoder())
+    results: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    for name, args in variants(w).items():
+        if only and name not in only:
+            continue
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
+            try:
+                if name == "vllm-direct":
+                    results[name] = _run_vllm(plan, w, Path(tmp))
+                else:
+                    with StackProcess(Path(tmp), args) as st:
+                        results[name] = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
+            except FileNotFoundError as exc:
+                notes[name] = "left out: %s" % exc
+                continue
+        results[name]["wall_s"] = time.monotonic() - t0
+    if only:
+        results = {**_previous(json_path, w, quick), **results}
+    out = {
+        "workload": asdict(w),
+        "quick": quick,
+        "counting": COUNTING,
+        "variants": results,
+        "checks": checks(results),
+        "notes": notes,
+    }
+    _write(json_path, out)
+    return out
+
+
+def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
+    """``branch-aware`` at least ``bound`` of the ideal on every phase (counted
+    requests); every chat prompt's token count equal to the server's."""
+    out: dict[str, Any] = {"prompt_tokens_match": {k: v["prompt_tokens_match"] for k, v in results.items()}}
+    if "branch-aware" in results:
+        ratios = {p: x["hit_ratio"] for p, x in results["branch-aware"]["phases"].items()}
+        out["branch_aware_hit_ratio_min"] = bound
+        out["branch_aware_ok"] = all(r >= bound for r in ratios.values())
+        out["branch_aware_below"] = sorted(p for p, r in ratios.items() if not r >= bound)
+    return out
+
+
+def _write(path: Path, out: dict[str, Any]) -> None:
+    from bench.report import plot_grouped, write_json
+
+    write_json(path, out)
+    v, w = out["variants"], out["workload"]
+    phases = [p for p in ("%s_%s" % (ph, k) for ph in PHASES for k in KINDS)]
+    plot_grouped(
+        path.with_suffix(".png"),
+        {
+            "cached / ideal (counted requests)": {
+                k: {p: x["phases"][p]["hit_ratio"] for p in phases} for k, x in v.items()
+            },
+            "TTFT p50 (ms)": {k: {p: x["phases"][p]["ttft_p50_ms"] for p in phases} for k, x in v.items()},
+        },
+        "shared prefix, u = %d, B = %d%s" % (w["unit"], w["mamba_block_size"], " (--quick)" if out["quick"] else ""),
+    )
+    counters = sorted({x["state_bytes_counter"] for x in v.values() if x.get("state_bytes_counter")})
+    rows = [
+        "| variant | phase | cached | ideal | cached / ideal | (all requests) | TTFT p50 ms | TTFT p90 ms"
+        " | %s B / cached token |" % ("/".join(counters) or "state"),
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, x in v.items():
+        for p in phases:
+            y = x["phases"][p]
+            per = y["state_bytes_per_cached_token"]
+            rows.append(
+                "| %s | %s | %d | %d | %.3f | %.3f | %.1f | %.1f | %s |"
+                % (
+                    k,
+                    p,
+                    y["cached_tokens"],
+                    y["ideal_tokens"],
+                    y["hit_ratio"],
+                    y["hit_ratio_all"],
+                    y["ttft_p50_ms"],
+                    y["ttft_p90_ms"],
+                    "-" if per is None else "%.0f" % per,
+                )
+            )
+    path.with_suffix(".md").write_text("\n".join(rows) + "\n")
