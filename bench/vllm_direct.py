@@ -38,10 +38,30 @@ def tiny_model(venv: Path) -> Path | str:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-class VllmServer:
-    """``vllm serve`` on loopback, serving the model as ``tiny`` with prefix caching."""
+#: vLLM's own junction checkpoints (``enable_mamba_shared_prefix_checkpoint``): they act only
+#: with EAGLE/MTP on the Mamba group (``hybridpd.engine.vllm.args.shared_prefix_checkpoint``),
+#: so without a drafter (as here) the flag is inert and vLLM keeps its junctions rounded down
+#: to its Mamba block
+SHARED_PREFIX_FLAG = "--enable-mamba-shared-prefix-checkpoint"
 
-    def __init__(self, venv: Path, workdir: Path, unit: int, max_model_len: int, log_name: str = "vllm.log") -> None:
+
+class VllmServer:
+    """``vllm serve`` on loopback, serving the model as ``tiny`` with prefix caching
+    (``mamba_cache_mode=align`` at ``unit``) and, unless ``shared_prefix_checkpoint``
+    is False, vLLM's own junction checkpoints (:data:`SHARED_PREFIX_FLAG`): the
+    ``vllm-direct`` baseline runs vLLM's branch policy, as ``--engine vllm`` does
+    under ``checkpoint_policy: branch-aware``."""
+
+    def __init__(
+        self,
+        venv: Path,
+        workdir: Path,
+        unit: int,
+        max_model_len: int,
+        log_name: str = "vllm.log",
+        *,
+        shared_prefix_checkpoint: bool = True,
+    ) -> None:
         self.venv = venv
         self.port = free_port()
         self.log = workdir / log_name
@@ -69,6 +89,8 @@ class VllmServer:
             "--enable-prompt-tokens-details",
             "--enforce-eager",
         ]
+        if shared_prefix_checkpoint:
+            self.argv.append(SHARED_PREFIX_FLAG)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

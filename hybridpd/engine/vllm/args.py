@@ -12,19 +12,41 @@ With a store (a Mooncake master) the prefill side gets a MultiConnector:
 NixlConnector for the handoff, MooncakeStoreConnector for the shared prefix
 store (vLLM reads the store's address from the JSON file named by
 ``MOONCAKE_CONFIG_PATH``: see :func:`mooncake_config`).
+
+Under ``checkpoint_policy: branch-aware`` an engine also gets vLLM's own
+junction checkpoints (``enable_mamba_shared_prefix_checkpoint``) where they
+can act: :func:`shared_prefix_checkpoint` states vLLM's preconditions.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.errors import ConfigError
 
+logger = logging.getLogger(__name__)
+
 Role = Literal["local", "prefill", "decode"]
 ROLES: tuple[Role, ...] = ("local", "prefill", "decode")
+
+#: the EngineArgs / CacheConfig field of vLLM's junction checkpoints (``vllm serve
+#: --enable-mamba-shared-prefix-checkpoint``)
+SHARED_PREFIX_OPTION = "enable_mamba_shared_prefix_checkpoint"
+#: speculative methods vLLM counts as EAGLE (``SpeculativeConfig.use_eagle``)
+EAGLE_METHODS = ("eagle", "eagle3", "mtp")
+_logged: set[str] = set()
+
+
+def log_once(message: str, *args: object) -> None:
+    """``logger.info`` a message once per process (one engine per process: once per engine)."""
+    text = message % args
+    if text not in _logged:
+        _logged.add(text)
+        logger.info("%s", text)
 
 
 def _nixl(role: str, device: str) -> dict[str, Any]:
@@ -78,6 +100,50 @@ def speculative_config(cfg: HybridPDConfig, role: Role, model_dir: Path) -> dict
     return {"method": cfg.speculative_method, "model": str(draft), "num_speculative_tokens": cfg.num_speculative_tokens}
 
 
+def shared_prefix_checkpoint(cfg: HybridPDConfig, role: Role) -> str | None:
+    """Whether an engine in ``role`` gets vLLM's junction checkpoints: None if it
+    does, else why not (a sentence for the log).
+
+    vLLM 0.32 (``CacheConfig.enable_mamba_shared_prefix_checkpoint``, narrowed in
+    ``KVCacheManager.__init__`` and ``Scheduler.__init__``): when a request's
+    attention hit reaches past its Mamba-state hit (a sibling shares more of the
+    prompt than any saved state covers), vLLM records that length as the
+    request's ``shared_prefix_boundary`` (the junction), ends a prefill chunk
+    there and keeps the Mamba state at it. Without the option it does the same
+    at the junction rounded down to its Mamba block (the scheduler's block, e.g.
+    640 tokens for the tiny Qwen3-Next); with it, at the junction itself (a
+    multiple of ``prefix_match_unit``). The option takes effect only if all of:
+
+    1. prefix caching with ``mamba_cache_mode="align"`` (we set both together);
+    2. partial hash hits: ``prefix_match_unit`` smaller than vLLM's scheduler
+       block (vLLM picks that block at start-up; ``VllmEngine`` logs it when
+       vLLM turned the option off);
+    3. EAGLE on the Mamba group: an EAGLE-family drafter (eagle, eagle3, mtp)
+       with its last-block drop on this engine, i.e. ``eagle`` on and a
+       ``local`` or ``decode`` engine (a prefill engine has no drafter here);
+    4. not multi-module MTP (``method="mtp"`` with ``min(the model's MTP
+       layers, num_speculative_tokens) > 1``: its re-prefilled tail is
+       excluded); vLLM checks this itself.
+
+    1 and 3 (and our policy) are checked here; 2 and 4 by vLLM (see
+    ``VllmEngine.shared_prefix_checkpoint``)."""
+    if cfg.checkpoint_policy != "branch-aware":
+        return "checkpoint_policy is %s" % cfg.checkpoint_policy
+    if not cfg.enable_prefix_caching:
+        return "prefix caching is off (vLLM needs mamba_cache_mode=align)"
+    if role == "prefill":
+        return (
+            "a prefill engine runs no EAGLE/MTP drafter, and vLLM checkpoints a junction at its exact"
+            " position only on an EAGLE Mamba group (junctions rounded down to vLLM's Mamba block still apply)"
+        )
+    if not cfg.eagle or cfg.speculative_method not in EAGLE_METHODS:
+        return (
+            "no EAGLE/MTP speculative decoding (eagle off): vLLM checkpoints a junction at its exact position"
+            " only on an EAGLE Mamba group (junctions rounded down to vLLM's Mamba block still apply)"
+        )
+    return None
+
+
 #: architectures built on vLLM's gated-delta-net layer (qwen_gdn_linear_attn), whose CPU kernel is bf16-only
 GDN_ARCHITECTURES = ("Qwen3Next", "Qwen3_5", "OlmoHybrid", "InternS2Mobius")
 
@@ -114,7 +180,10 @@ def engine_kwargs(
 
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:5557``) turns on vLLM's ZMQ
     KV-cache events, which ``hybridpd.engine.vllm.kv_events`` mirrors into the
-    prefix index.
+    prefix index. Under ``checkpoint_policy: branch-aware``
+    ``enable_mamba_shared_prefix_checkpoint`` is set where its preconditions
+    hold (:func:`shared_prefix_checkpoint`; otherwise absent, and why is
+    logged once).
     """
     if role not in ROLES:
         raise ConfigError("engine", "unknown vLLM engine role %r" % role)
@@ -142,6 +211,11 @@ def engine_kwargs(
     spec = speculative_config(cfg, role, model_dir)
     if spec is not None:
         kw["speculative_config"] = spec
+    why_not = shared_prefix_checkpoint(cfg, role)
+    if why_not is None:
+        kw[SHARED_PREFIX_OPTION] = True
+    else:
+        log_once("vLLM junction checkpoints (%s) off for a %s engine: %s", SHARED_PREFIX_OPTION, role, why_not)
     if kv_events_endpoint is not None:
         kw["kv_events_config"] = {
             "enable_kv_cache_events": True,

@@ -24,6 +24,10 @@ the model directory, so both sides tokenize identically).
 ``EngineRequest.checkpoints`` (extra checkpoint positions) is ignored: vLLM
 places its checkpoints itself and takes no positions from us; only the tail
 checkpoint (and vLLM's full-block states) are written and indexed.
+vLLM finds junctions itself, in its local cache (``args.shared_prefix_checkpoint``;
+``VllmEngine.shared_prefix_checkpoint`` says whether its exact-junction option is
+in effect); docs/DESIGN.md section 4, "Branch-aware checkpoints on the vLLM
+backend".
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from hybridpd.engine.base import (
     SpecStats,
     StateCheckpoint,
 )
-from hybridpd.engine.vllm.args import Role, check_dtype, engine_kwargs, mooncake_config
+from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
 from hybridpd.engine.vllm.kv_events import KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
 from hybridpd.errors import InvalidRequestError
@@ -138,6 +142,10 @@ class VllmEngine:
         logger.info("%s: starting vLLM (%s) with %s", instance, role, kw)
         with one_gloo_device():
             self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
+        #: whether vLLM checkpoints junctions at their exact position (its scheduler's
+        #: narrowed ``enable_mamba_shared_prefix_checkpoint``; None: no in-process scheduler)
+        self.shared_prefix_checkpoint: bool | None = None
+        self._check_shared_prefix_option(bool(kw.get(SHARED_PREFIX_OPTION)))
         self.model_id = "vllm:%s" % model_dir.name
         self.unit = cfg.prefix_match_unit
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
@@ -150,6 +158,27 @@ class VllmEngine:
         if events_endpoint is not None:
             self.feed = KVEventFeed(self.hasher)
             self.feed.start(events_endpoint)
+
+    def _check_shared_prefix_option(self, asked: bool) -> None:
+        """Read back what vLLM made of ``enable_mamba_shared_prefix_checkpoint``: it
+        turns the option off itself when the prefix match unit is not below its
+        scheduler block or under multi-module MTP (``args.shared_prefix_checkpoint``)."""
+        core = self._core()
+        sched = getattr(core, "scheduler", None) if core is not None else None
+        if sched is None or not hasattr(sched, "mamba_shared_prefix_checkpoint"):
+            return
+        self.shared_prefix_checkpoint = bool(sched.mamba_shared_prefix_checkpoint)
+        if asked and not self.shared_prefix_checkpoint:
+            log_once(
+                "vLLM junction checkpoints (%s) asked for but turned off by vLLM for a %s engine: it needs"
+                " prefix_match_unit (%d) below its scheduler block (%s tokens, partial hits %s) and no"
+                " multi-module MTP",
+                SHARED_PREFIX_OPTION,
+                self.role,
+                self.cfg.prefix_match_unit,
+                getattr(sched, "block_size", "?"),
+                getattr(sched, "mamba_partial_cache_hit", "?"),
+            )
 
     # -- requests ----------------------------------------------------------------------
     def _sampling(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> Any:
