@@ -80,6 +80,12 @@ class HybridPDConfig(BaseModel):
     checkpoint_half_life_s: float = Field(
         1800.0, gt=0, le=1 << 24, description="Age at which a checkpoint's value halves (eviction by value)."
     )
+    answer_checkpoints: bool = Field(
+        True,
+        description="When a chat request ends normally, prefill prompt + answer at low priority on the instance"
+        " that served it, so the next turn hits the answer too (native engine; per request:"
+        " hybridpd_answer_checkpoint).",
+    )
     num_kv_blocks: int = Field(4096, ge=16, le=1 << 24, description="Attention KV blocks per engine.")
     max_num_batched_tokens: int = Field(512, ge=16, le=1 << 20, description="Prefill token budget per step.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Running requests per engine.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,32 +54,54 @@ class TextTokenizer:
             add_generation_prompt=add_generation_prompt,
         )
 
-    def chat_with_boundaries(
-        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
-    ) -> tuple[list[int], tuple[int, ...]]:
-        """The chat prompt's ids and where its turns begin, as token counts: the
+    def chat_prompt(
+        self,
+        messages: Sequence[ChatMessage],
+        add_generation_prompt: bool = True,
+        recall: Callable[[str], tuple[Sequence[int], int] | None] | None = None,
+    ) -> ChatPrompt:
+        """The chat prompt's ids, its rendered text and where its turns begin.
+
+        ``boundaries`` (token counts, ascending, each in ``(0, len(ids))``): the
         start of the content of the first message after the leading system
         message(s) (the system prompt and the template's header of the next
         turn are what every conversation with that system prompt shares), and
         the start of the content of the last user message (what a regenerated
-        or edited last turn shares). Ascending, each in ``(0, len(ids))``;
-        empty when there is no such boundary (or the template does not render
-        the contents verbatim).
+        or edited last turn shares). A boundary inside a token counts that
+        token out (the position is where the last token that ends at or before
+        the content starts ends), so the prefix before it tokenizes alike in
+        every prompt that shares it. None when the template does not render
+        the contents verbatim.
 
-        A boundary inside a token counts that token out (the position is where
-        the last token that ends at or before the content starts ends), so the
-        prefix before it tokenizes alike in every prompt that shares it.
+        ``recall(text)``: the ids of a conversation whose rendered text up to
+        the end of an answer is ``text``, the answer's ids as this model
+        generated them (the router's answer memory), and where the answer
+        starts among them; or None. When it knows the text up to the end of the
+        last assistant message, those ids stand for it, and only the rest is
+        tokenized: the prompt continues the exact ids the engine computed,
+        which re-tokenizing the answer's text need not reproduce
+        (``answer_span`` then says where that answer's ids lie).
         """
         text = self._render(messages, add_generation_prompt)
-        enc = self.tok.encode(text, add_special_tokens=False)
         starts: list[int] = []  # char offset where each message's content starts
         at = 0
         for m in messages:
             i = text.find(m.content, at)
             if i < 0:
-                return enc.ids, ()
+                return ChatPrompt(self.encode(text), text)
             starts.append(i)
             at = i + len(m.content)
+        last_answer = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
+        head: Sequence[int] = ()
+        cut = 0  # chars of ``text`` that ``head`` stands for
+        span = None
+        if recall is not None and last_answer >= 0:
+            end = starts[last_answer] + len(messages[last_answer].content)
+            got = recall(text[:end])
+            if got is not None:
+                head, cut = got[0], end
+                span = (got[1], len(head))
+        enc = self.tok.encode(text[cut:], add_special_tokens=False)
         n_sys = 0
         while n_sys < len(messages) and messages[n_sys].role == "system":
             n_sys += 1
@@ -90,8 +112,22 @@ class TextTokenizer:
         if last_user > 0:
             chars.add(starts[last_user])
         ends = [e for _, e in enc.offsets]
-        out = {bisect.bisect_right(ends, c) for c in chars}
-        return enc.ids, tuple(sorted(p for p in out if 0 < p < len(enc.ids)))
+        ids = [*head, *enc.ids]
+        out = {len(head) + bisect.bisect_right(ends, c - cut) for c in chars if c >= cut}
+        return ChatPrompt(ids, text, tuple(sorted(p for p in out if 0 < p < len(ids))), span)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    """A rendered chat prompt (:meth:`TextTokenizer.chat_prompt`)."""
+
+    ids: list[int]
+    #: the rendered text (generation prompt included)
+    text: str
+    #: where turns begin, token counts (checkpoint positions)
+    boundaries: tuple[int, ...] = ()
+    #: where the recalled answer's ids lie in ``ids`` (None: nothing recalled)
+    answer_span: tuple[int, int] | None = None
 
 
 class IncrementalDetokenizer:

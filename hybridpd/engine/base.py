@@ -80,6 +80,9 @@ class EngineRequest:
     #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``.
     #: The vLLM engine ignores them.
     checkpoints: tuple[int, ...] = ()
+    #: low priority: runs on the step budget and seats the other requests leave, and
+    #: never holds up their admission (answer checkpoints; the native engine)
+    background: bool = False
 
 
 @dataclass(frozen=True, slots=True)

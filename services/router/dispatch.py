@@ -227,6 +227,15 @@ class Dispatcher:
             self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens)
         return pr
 
+    def answer(self, instance: str, req: EngineRequest) -> bool:
+        """Ask ``instance`` to prefill ``req`` (prompt + answer) at low priority, fire
+        and forget (``PrefillWorker.answer``). False when the instance is gone."""
+        actor = self.prefill_actors.get(instance)
+        if actor is None:
+            return False
+        actor.answer.remote(req)
+        return True
+
     # -- decode -------------------------------------------------------------------------
     async def decode(
         self, pr: PrefillResult, req: EngineRequest, flight: Flight, deadline: Deadline

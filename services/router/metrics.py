@@ -57,6 +57,27 @@ class RouterMetrics:
         )
         for outcome in PREFIX_OUTCOMES:
             self.prefix_tokens.labels(outcome)
+        self.answer_checkpoints = Counter(
+            "hybridpd_answer_checkpoints_requested",
+            "Chat answers sent to their prefill instance to become part of the cached prefix.",
+            registry=r,
+        )
+        self.answer_tokens = Counter(
+            "hybridpd_answer_tokens",
+            "Tokens of a previous answer in a chat prompt (recalled ids): restored (hit) or recomputed.",
+            ["outcome"],
+            registry=r,
+        )
+        self.answer_retokenized = Counter(
+            "hybridpd_answer_retokenized",
+            "Recalled answers whose text re-tokenizes to the generated ids (same) or not (differs).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("hit", "recomputed"):
+            self.answer_tokens.labels(outcome)
+        for outcome in ("same", "differs"):
+            self.answer_retokenized.labels(outcome)
         self.index_lookup = Histogram(
             "hybridpd_index_lookup_seconds", "Prefix index lookup (one round trip).", buckets=_FAST, registry=r
         )

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -35,6 +36,7 @@ from hybridpd.errors import (
     unwrap,
 )
 from hybridpd.tokenizer import ChatMessage
+from services.router.answers import AnswerPlan
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event
@@ -155,14 +157,25 @@ async def completions(body: CompletionRequest, request: Request, st: State) -> R
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
-    tokens, turns = st.orch.tokenizer.chat_with_boundaries([ChatMessage(m.role, m.content) for m in body.messages])
+    orch, cfg = st.orch, st.orch.cfg
+    salt = ApiKeys.salt(request.state.tenant, body.cache_salt)
+    recall = partial(orch.answers.recall, salt) if cfg.answer_checkpoints else None
+    chat = orch.tokenizer.chat_prompt([ChatMessage(m.role, m.content) for m in body.messages], recall=recall)
     # branch-aware: checkpoint where the system prompt's shared part ends and where the last
     # user turn starts, so the first conversation already leaves them reusable
-    marks = list(turns) if st.orch.cfg.checkpoint_policy == "branch-aware" else []
+    marks = list(chat.boundaries) if cfg.checkpoint_policy == "branch-aware" else []
     req = _engine_request(
-        st, body, tokens, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant, marks
+        st, body, chat.ids, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant, marks
     )
-    return await _generate(st, body, req, "chat", "chat")
+    if chat.answer_span is not None:
+        a0, a1 = chat.answer_span
+        answer = body.messages[max(i for i, m in enumerate(body.messages) if m.role == "assistant")].content
+        same = orch.tokenizer.encode(answer) == chat.ids[a0:a1]
+        orch.metrics.answer_retokenized.labels("same" if same else "differs").inc()
+    plan = None
+    if body.hybridpd_answer_checkpoint if body.hybridpd_answer_checkpoint is not None else cfg.answer_checkpoints:
+        plan = AnswerPlan(salt, chat.text, chat.answer_span)
+    return await _generate(st, body, req, "chat", "chat", plan)
 
 
 def _engine_request(
@@ -195,11 +208,13 @@ def _engine_request(
     )
 
 
-async def _generate(st: RouterState, body: _Common, req: EngineRequest, api: str, kind: str) -> Response:
+async def _generate(
+    st: RouterState, body: _Common, req: EngineRequest, api: str, kind: str, answer: AnswerPlan | None = None
+) -> Response:
     """Run ``req``: an SSE stream, or one JSON body once it finished."""
     created = int(time.time())
     oid = ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id
-    events = st.orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list())
+    events = st.orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list(), answer)
     if body.stream:
         first = await anext(events)  # errors before the first token become a proper HTTP status
         return StreamingResponse(_sse(first, events, oid, created, body, kind), media_type="text/event-stream")

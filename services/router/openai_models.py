@@ -6,7 +6,8 @@ Extensions: ``cache_salt`` (tenant isolation), ``return_token_ids`` (token
 ids in each choice), ``ignore_eos``, ``hybridpd_prefill_instance`` (pin a
 request to one prefill instance, for tests and debugging); on completions
 ``hybridpd_checkpoints`` (extra checkpoint positions, token counts; checked
-by ``validation.validate_request``).
+by ``validation.validate_request``); on chat ``hybridpd_answer_checkpoint``
+(false: do not make this answer part of the cached prefix).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class ChatMessageIn(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    #: make this answer part of the cached prefix (default: the answer_checkpoints config)
+    hybridpd_answer_checkpoint: bool | None = None
 
 
 class ErrorDetail(BaseModel):

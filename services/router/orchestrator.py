@@ -29,11 +29,12 @@ from typing import Any
 
 from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import EngineRequest
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import InvalidRequestError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
 from services.router.admission import Admission, Deadline
+from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.dispatch import Dispatcher, Flight
 from services.router.metrics import RouterMetrics
 from services.router.output import Event, OutputProcessor
@@ -58,6 +59,11 @@ class _Run:
     engine_done: bool = False
     #: when the last output arrived (inter-token latency)
     last: float = 0.0
+    #: make the answer reusable at the end (chat)
+    answer: AnswerPlan | None = None
+    #: the prefill instance that served the prompt
+    instance: str | None = None
+    finish_reason: str | None = None
 
 
 class Orchestrator:
@@ -82,21 +88,30 @@ class Orchestrator:
             tokenizer.vocab_size, cfg.max_model_len, cfg.max_inflight_requests, cfg.request_timeout_s
         )
         self.dispatch = Dispatcher(cfg, index, prefill, decode, metrics)
+        #: answer ids under the text the client got (the next turn's prompt reuses them)
+        self.answers = AnswerMemory()
         #: request id -> the actors holding its work (for Abort)
         self.running: dict[str, Flight] = {}
         metrics.configured_prefill.set(len(prefill))
         metrics.live_prefill.set(len(prefill))
 
     async def stream(
-        self, req: EngineRequest, api: str, force_instance: str | None = None, stop: tuple[str, ...] = ()
+        self,
+        req: EngineRequest,
+        api: str,
+        force_instance: str | None = None,
+        stop: tuple[str, ...] = (),
+        answer: AnswerPlan | None = None,
     ) -> AsyncIterator[Event]:
         """Serve ``req``: Events until one is finished. Raises InvalidRequestError,
         OverloadedError (before any work), NotFoundError (``force_instance``),
-        UnavailableError, DeadlineError. ``api`` labels the request metrics."""
+        UnavailableError, DeadlineError. ``api`` labels the request metrics.
+        ``answer``: make the answer part of the cached prefix once the request
+        ends normally (``answers.py``)."""
         if req.request_id in self.running:  # actors key work by id: a second one would clobber the first
             raise InvalidRequestError("request id %s is already in flight" % req.request_id)
         deadline = self.admission.admit(req)
-        run = _Run(req, api, deadline, Flight(req.request_id))
+        run = _Run(req, api, deadline, Flight(req.request_id), answer=answer)
         self.running[req.request_id] = run.flight
         try:
             pr, split = await self._prefill(run, force_instance)
@@ -134,6 +149,12 @@ class Orchestrator:
         preq = self.dispatch.with_junction(req, route)
         pr = await self.dispatch.prefill(preq, decision, run.flight, run.deadline, route.hashes)
         run.last = time.perf_counter()
+        run.instance = pr.instance
+        if run.answer is not None and run.answer.answer_span is not None:
+            a0, a1 = run.answer.answer_span
+            hit = min(max(pr.num_cached_tokens - a0, 0), a1 - a0)
+            self.metrics.answer_tokens.labels("hit").inc(hit)
+            self.metrics.answer_tokens.labels("recomputed").inc(a1 - a0 - hit)
         n = len(req.prompt_token_ids)
         self.metrics.prompt_tokens.inc(n)
         self.metrics.cached_tokens.inc(pr.num_cached_tokens)
@@ -171,6 +192,7 @@ class Orchestrator:
         ev = out.push(token_ids, done, reason)
         if ev.finished:
             run.finished, run.engine_done, run.status = True, done, "ok"
+            run.finish_reason = ev.finish_reason
         return ev
 
     def _end(self, run: _Run) -> None:
@@ -186,6 +208,36 @@ class Orchestrator:
         self.metrics.e2e.observe(run.deadline.elapsed())
         if run.finished and run.output is not None:
             self.metrics.completion_tokens.inc(run.output.count)
+            if run.answer is not None:
+                self._keep_answer(run, run.answer, run.output)
+
+    def _keep_answer(self, run: _Run, plan: AnswerPlan, out: OutputProcessor) -> None:
+        """Make a normally ended chat answer reusable (``answers.py``): remember its
+        ids under its text, and ask the prefill instance that served the prompt
+        to prefill prompt + answer at low priority. Nothing after a stop string
+        (the client did not receive every token) or past the context."""
+        if out.stopped_on_string or run.finish_reason not in ("stop", "length") or run.instance is None:
+            return
+        req, gen = run.req, out.detok.ids
+        prompt = req.prompt_token_ids
+        self.answers.remember(
+            plan.salt,
+            plan.prompt_text + out.detok.emitted,
+            prompt + strip_stop(gen, self.tokenizer.stop_token_ids),
+            len(prompt),
+        )
+        ids = prompt + tuple(gen)
+        if len(ids) + 1 > self.cfg.max_model_len or not self.cfg.enable_prefix_caching:
+            return
+        warm = EngineRequest(
+            RequestId("answer-" + req.request_id),
+            ids,
+            SamplingParams(max_tokens=1),
+            req.cache_salt,
+            background=True,
+        )
+        if self.dispatch.answer(run.instance, warm):
+            self.metrics.answer_checkpoints.inc()
 
     def abort(self, request_id: str) -> bool:
         """Abort ``request_id`` on the actors holding it; False if none does."""

@@ -82,6 +82,8 @@ class OutputProcessor:
         self.prefix_tokens = prefix_tokens
         #: output tokens received so far (all of a chunk count, even past a stop string)
         self.count = 0
+        #: the request ended on a stop string: the client did not get every token
+        self.stopped_on_string = False
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.cached_tokens, self.count, self.prefix_tokens)
@@ -95,6 +97,7 @@ class OutputProcessor:
         self.count += len(token_ids)
         at = self.stop.find(self.detok.emitted, before)
         if at is not None:
+            self.stopped_on_string = True
             start = len(self.detok.emitted) - len(delta)  # where ``delta`` starts in the full text
             return Event(token_ids, delta[: max(at - start, 0)], True, "stop", self.usage())
         if done:

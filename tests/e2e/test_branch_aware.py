@@ -143,7 +143,8 @@ def test_chat_system_prompt_is_reusable_from_the_first_conversation(
         "How do I reset my password when the reset mail never arrives in my inbox or spam folder?",
         "Do you ship to Mars, and if so, how long does delivery take and what does it cost there?",
     ]
-    ids, turns = tok.chat_with_boundaries([ChatMessage(**m) for m in msgs(questions[0])])
+    first_prompt = tok.chat_prompt([ChatMessage(**m) for m in msgs(questions[0])])
+    ids, turns = first_prompt.ids, first_prompt.boundaries
     expected = requested_checkpoints(turns, 0, len(ids), U, B, A, True)
     # the message boundary, not the tail, is what the next conversation shares
     assert expected and expected[0] < checkpoint_position(len(ids), U, True)

@@ -101,8 +101,10 @@ def test_seen_prefixes_finds_the_routed_run_and_stays_bounded() -> None:
 def test_chat_boundaries_mark_what_conversations_share() -> None:
     one = [ChatMessage("system", SYSTEM), ChatMessage("user", "Where is my order?")]
     two = [ChatMessage("system", SYSTEM), ChatMessage("user", "How do I reset my password?")]
-    ids1, (b1,) = TOK.chat_with_boundaries(one)
-    ids2, (b2,) = TOK.chat_with_boundaries(two)
+    p1 = TOK.chat_prompt(one)
+    ids1, (b1,) = p1.ids, p1.boundaries
+    p2 = TOK.chat_prompt(two)
+    ids2, (b2,) = p2.ids, p2.boundaries
     assert ids1 == TOK.apply_chat_template(one) and ids2 == TOK.apply_chat_template(two)
     assert b1 == b2 and ids1[:b1] == ids2[:b2]  # the system prompt and the next turn's header
     shared = next(i for i, (x, y) in enumerate(zip(ids1, ids2, strict=False)) if x != y)
@@ -117,20 +119,22 @@ def test_chat_boundaries_of_a_multi_turn_conversation() -> None:
         ChatMessage("assistant", "Paris."),
         ChatMessage("user", "And of Spain?"),
     ]
-    ids, turns = TOK.chat_with_boundaries(msgs)
+    p = TOK.chat_prompt(msgs)
+    ids, turns = p.ids, p.boundaries
     assert len(turns) == 2
     first, last = turns
     assert TOK.decode(ids[first:]).startswith("What is the capital")
     assert TOK.decode(ids[last:]).startswith("And of Spain?")
     # an edited last question shares everything before the last boundary
     edited = [*msgs[:3], ChatMessage("user", "Which river runs through it?")]
-    ids2, turns2 = TOK.chat_with_boundaries(edited)
+    p2 = TOK.chat_prompt(edited)
+    ids2, turns2 = p2.ids, p2.boundaries
     assert turns2[-1] == last and ids2[:last] == ids[:last]
 
 
 def test_chat_without_a_system_prompt_or_history_has_no_boundary() -> None:
-    assert TOK.chat_with_boundaries([ChatMessage("user", "hello")])[1] == ()
-    assert TOK.chat_with_boundaries([ChatMessage("system", SYSTEM)])[1] == ()
+    assert TOK.chat_prompt([ChatMessage("user", "hello")]).boundaries == ()
+    assert TOK.chat_prompt([ChatMessage("system", SYSTEM)]).boundaries == ()
 
 
 # -- the junction the router adds -------------------------------------------------------------

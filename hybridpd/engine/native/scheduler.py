@@ -4,7 +4,10 @@ Each ``schedule()`` call builds one step under a token budget:
 
 1. every decoding sequence gets its pending token (plus k EAGLE drafts);
 2. prefilling sequences continue, in admission order;
-3. waiting sequences are admitted (FCFS) while blocks and seats remain.
+3. waiting sequences are admitted (FCFS) while blocks and seats remain;
+4. background requests (``EngineRequest.background``: answer checkpoints)
+   continue, then are admitted, only on the budget steps 1-3 left, and only
+   while no other request waits: they never delay one.
 
 A request prefilled elsewhere enters with ``admit_handoff``, straight into
 DECODE (its KV arrives with the handoff).
@@ -118,6 +121,8 @@ class Scheduler:
         self.state_pool = state_pool
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        #: background requests not admitted yet (FCFS among themselves)
+        self.background: deque[Sequence] = deque()
 
     def blocks_needed(self, seq: Sequence) -> int:
         extra = (
@@ -126,7 +131,7 @@ class Scheduler:
         return -(-(seq.num_prompt + extra) // self.cfg.unit)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        (self.background if seq.request.background else self.waiting).append(seq)
 
     def schedule(self) -> list[ScheduledWork]:
         budget = self.cfg.max_num_batched_tokens
@@ -136,24 +141,33 @@ class Scheduler:
                 n = 1 + (self.cfg.num_spec if self.cfg.eagle else 0)
                 out.append(ScheduledWork(seq, n, True))
                 budget -= n
-        for seq in self.running:
-            if seq.status is SeqStatus.PREFILL:
-                n = self._chunk(seq, budget)
-                if n:
-                    out.append(ScheduledWork(seq, n, False))
-                    budget -= n
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+        for background in (False, True):
+            for seq in self.running:
+                if seq.status is SeqStatus.PREFILL and seq.request.background is background:
+                    n = self._chunk(seq, budget)
+                    if n:
+                        out.append(ScheduledWork(seq, n, False))
+                        budget -= n
+            queue = self.background if background else self.waiting
+            if background and self.waiting:
+                break  # a waiting request (no seat or blocks now) goes first
+            budget = self._admit_from(queue, budget, out)
+        return out
+
+    def _admit_from(self, queue: deque[Sequence], budget: int, out: list[ScheduledWork]) -> int:
+        """Admit from ``queue`` (FCFS) while seats, blocks and budget remain; returns the budget left."""
+        while queue and len(self.running) < self.cfg.max_num_seqs:
+            seq = queue[0]
             if self._chunk_len(seq.num_prompt - 0, budget) == 0 or not self._admit(seq):
                 break
-            self.waiting.popleft()
+            queue.popleft()
             self.running.append(seq)
             seq.status = SeqStatus.PREFILL
             n = self._chunk(seq, budget)
             if n:
                 out.append(ScheduledWork(seq, n, False))
                 budget -= n
-        return out
+        return budget
 
     @staticmethod
     def _chunk_len(remaining: int, budget: int) -> int:
@@ -227,13 +241,15 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.background:
+            self.background.remove(seq)
         if seq.block_ids:
             self.kv_pool.free(reversed(seq.block_ids))
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED
 
     def find(self, rid: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
+        for seq in (*self.running, *self.waiting, *self.background):
             if seq.rid == rid:
                 return seq
         return None
