@@ -13,7 +13,10 @@ States of a slot::
 
 Free slots wait in an LRU queue; ``allocate`` takes the oldest first and
 drops its hash (eviction). A cached free slot that gets ``touch``ed is taken
-out of the queue again (a prefix-cache hit).
+out of the queue again (a prefix-cache hit). A pool built with
+``choose_victim`` takes the free slot that function picks instead (the state
+pool: the least valuable checkpoint, ``state_cache.py``); the function sees
+the free slots oldest first and must return one of them.
 
 Cache events: every change to the set of cached hashes is reported to
 ``on_event`` once, as it happens: STORED when ``cache`` keys a slot by a new
@@ -32,14 +35,19 @@ from hybridpd.hashing import BlockHash
 
 #: receives each change of the cached set, in order
 EventSink = Callable[[CacheEventKind, BlockHash], None]
+#: picks the free slot ``allocate`` takes next, given the free slots oldest first
+VictimChooser = Callable[[Iterable[int]], int]
 
 
 class BlockPool:
-    def __init__(self, num_slots: int, on_event: EventSink | None = None) -> None:
+    def __init__(
+        self, num_slots: int, on_event: EventSink | None = None, choose_victim: VictimChooser | None = None
+    ) -> None:
         if num_slots <= 0:
             raise ValueError("num_slots must be positive")
         self.num_slots = num_slots
         self.on_event = on_event
+        self.choose_victim = choose_victim
         self.ref = [0] * num_slots
         self.hash_of: list[BlockHash | None] = [None] * num_slots
         self.cached: dict[BlockHash, int] = {}
@@ -64,11 +72,20 @@ class BlockPool:
             return None
         out = []
         for _ in range(n):
-            slot, _ = self.free_queue.popitem(last=False)
+            slot = self._take()
             self._evict(slot)
             self.ref[slot] = 1
             out.append(slot)
         return out
+
+    def _take(self) -> int:
+        if self.choose_victim is None:
+            return self.free_queue.popitem(last=False)[0]
+        slot = self.choose_victim(self.free_queue)
+        if slot not in self.free_queue:
+            raise RuntimeError("choose_victim picked slot %d, which is not free" % slot)
+        del self.free_queue[slot]
+        return slot
 
     def touch(self, slots: Iterable[int]) -> None:
         """Take one more reference (a cache hit reusing these slots)."""

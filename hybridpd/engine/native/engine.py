@@ -59,6 +59,7 @@ from hybridpd.engine.native.model_config import KERNEL_CHUNK
 from hybridpd.engine.native.model_runner import ModelRunner, StepRow
 from hybridpd.engine.native.prefix_cache import PrefixCache
 from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from hybridpd.engine.native.state_cache import slots_for
 from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
@@ -80,7 +81,7 @@ class NativeEngine:
         role: Literal["local", "prefill", "decode"] = "local",
         instance: str = "local",
         export_checkpoints: bool = False,
-        num_state_slots: int = 128,
+        num_state_slots: int | None = None,
         model_dir: Path | None = None,
         record_logits: bool = False,
     ) -> None:
@@ -101,6 +102,8 @@ class NativeEngine:
         self.device = self.runner.device
         self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        if num_state_slots is None:  # tests pass a count; engines size from the budget
+            num_state_slots = slots_for(cfg.state_cache_mb, self.runner.num_delta_layers, self.mcfg)
         self.cache = PrefixCache(
             self.runner,
             self.model_id,
@@ -110,7 +113,10 @@ class NativeEngine:
             mamba_block_size=cfg.mamba_block_size,
             enabled=cfg.enable_prefix_caching,
             export_checkpoints=export_checkpoints,
+            half_life_s=cfg.checkpoint_half_life_s,
         )
+        #: what a hit saves, for the publisher's store ledger (checkpoint_value.py)
+        self.compute_model = self.cache.state_cache.compute
         self.kv_pool = self.cache.kv_pool
         self.state_pool = self.cache.state_pool
         self.scheduler = Scheduler(SchedulerConfig.of(cfg), self.kv_pool, self.state_pool)
@@ -178,7 +184,7 @@ class NativeEngine:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running or self.pending)
+        return bool(self.scheduler.waiting or self.scheduler.running or self.scheduler.background or self.pending)
 
     def _finish(self, seq: Sequence) -> None:
         self.cache.drop(seq.rid)

@@ -4,7 +4,7 @@ Two tensor-free pools keyed by chain hashes (``hybridpd.hashing``)::
 
     kv_pool     attention KV blocks, one per ``unit`` tokens (tensors: ModelRunner)
     state_pool  recurrent-state checkpoints, keyed by the hash at their
-                position (tensors: StateCache)
+                position (tensors: StateCache; evicted by value, not age)
 
 What enters them, and when:
 
@@ -53,6 +53,7 @@ class PrefixCache:
         mamba_block_size: int,
         enabled: bool,
         export_checkpoints: bool,
+        half_life_s: float = 1800.0,
     ) -> None:
         self.runner = runner
         self.model_id = model_id
@@ -65,7 +66,12 @@ class PrefixCache:
         self.events = CacheEventLog(4 * (num_kv_blocks + num_state_slots), self._cached_now)
         self.kv_pool = BlockPool(num_kv_blocks, self.events.sink(CacheGroup.KV))
         self.state_cache = StateCache(
-            num_state_slots, runner.num_delta_layers, runner.mcfg, runner.device, self.events.sink(CacheGroup.STATE)
+            num_state_slots,
+            runner.num_delta_layers,
+            runner.mcfg,
+            runner.device,
+            self.events.sink(CacheGroup.STATE),
+            half_life_s=half_life_s,
         )
         self.state_pool = self.state_cache.pool
         self.exports: list[tuple[KVExport, StateCheckpoint]] = []
@@ -106,7 +112,7 @@ class PrefixCache:
             logger.debug(
                 "%s: slot column %d re-keyed from state@%d to state@%d", seq.rid, col, natural_position(col, b), pos
             )
-        self.state_cache.store(key, states)
+        self.state_cache.store(key, states, pos)
         if self.export_checkpoints:
             self.pending_exports.setdefault(seq.rid, []).append(exports.export_state(self.model_id, states, pos, key))
 
@@ -153,5 +159,5 @@ class PrefixCache:
             self.kv_pool.cache(got[0], h)
             self.kv_pool.free(got)
         if self.state_cache.lookup(key) is None:
-            return self.state_cache.store(key, exports.import_state(state, self.runner.device))
+            return self.state_cache.store(key, exports.import_state(state, self.runner.device), pos)
         return True

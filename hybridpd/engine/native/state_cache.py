@@ -8,22 +8,52 @@ see ``PrefixCache.save_checkpoint``)::
     ssm:  [num_slots, n_delta, heads, key_dim, value_dim]          fp32
 
 The bookkeeping is a tensor-free :class:`BlockPool` (``pool``; the scheduler
-looks hits up in it). A stored slot is cached and free at once: evictable,
-LRU, until an admission restores it. There is ONE write path, :meth:`store`,
+looks hits up in it). A stored slot is cached and free at once: always
+evictable (an admission reads its hit in the same step, before any
+``store``). There is ONE write path, :meth:`store`,
 for checkpoints saved during prefill and for checkpoints imported from the
 store, and one read path, :meth:`read`, for the restore at admission.
+
+Eviction is by value (``hybridpd/checkpoint_value.py``), not age: per slot we
+keep its position, its hits (each :meth:`read`, i.e. each admission that
+restores it) and its last use (store or read: seconds on ``clock``, and
+``writes``, the slots written so far, for the turnover age); when ``store``
+needs a slot the pool takes a free uncached one, else the cached one of
+lowest ``value_rank`` (ties: the oldest in the free queue). Every slot holds
+the same bytes (``slot_bytes``), so this compares saved FLOPs, reuse and age.
+The pool still emits REMOVED for the evicted key. Size: ``slots_for`` a MiB
+budget (``state_cache_mb``), at least ``MIN_SLOTS``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from hybridpd.checkpoint_value import ComputeModel, checkpoint_value, value_rank
 from hybridpd.engine.native.block_pool import BlockPool, EventSink
 from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.hashing import BlockHash
+
+#: the fewest slots an engine gets, whatever its budget (a slot is busy only while written, so any
+#: count works; a few keep some reuse when one slot exceeds the budget)
+MIN_SLOTS = 4
+
+
+def slot_bytes(num_delta_layers: int, mcfg: HybridModelConfig) -> int:
+    """Bytes of one slot: every delta layer's conv and recurrent state, fp32."""
+    m = mcfg
+    per_layer = (m.conv_kernel - 1) * m.conv_dim + m.delta_heads * m.delta_key_dim * m.delta_value_dim
+    return 4 * num_delta_layers * per_layer
+
+
+def slots_for(budget_mib: float, num_delta_layers: int, mcfg: HybridModelConfig) -> int:
+    """How many slots ``budget_mib`` MiB holds, at least ``MIN_SLOTS``."""
+    return max(MIN_SLOTS, int(budget_mib * (1 << 20)) // slot_bytes(num_delta_layers, mcfg))
 
 
 class StateCache:
@@ -34,10 +64,24 @@ class StateCache:
         mcfg: HybridModelConfig,
         device: torch.device,
         on_event: EventSink | None = None,
+        *,
+        half_life_s: float = 1800.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         m = mcfg
         self.num_delta_layers = num_delta_layers
-        self.pool = BlockPool(num_slots, on_event)
+        self.slot_bytes = slot_bytes(num_delta_layers, mcfg)
+        self.compute = ComputeModel.of(mcfg)
+        self.half_life_s = half_life_s
+        self.clock = clock
+        self.pool = BlockPool(num_slots, on_event, choose_victim=self._victim)
+        self.writes = 0  # slots written so far: the turnover clock (num_slots writes = 1 turnover)
+        # per slot, meaningful while it is cached: position, restores, last use (s, writes), value_rank
+        self.position = [0] * num_slots
+        self.hits = [0] * num_slots
+        self.last_use = [0.0] * num_slots
+        self.last_writes = [0] * num_slots
+        self.rank = [-math.inf] * num_slots
         # NOTE: delta states are fp32 in every engine dtype (delta.DeltaState)
         self.conv = torch.zeros(
             num_slots, num_delta_layers, m.conv_kernel - 1, m.conv_dim, dtype=torch.float32, device=device
@@ -55,13 +99,17 @@ class StateCache:
     def lookup(self, key: BlockHash) -> int | None:
         return self.pool.lookup(key)
 
-    def store(self, key: BlockHash, states: Sequence[DeltaState]) -> bool:
-        """Cache ``states`` (one per delta layer) under ``key``. True when ``key``
-        is cached afterwards (already was, or written now); False when no slot
-        is free (every slot is being restored: nothing is evicted for it)."""
+    def store(self, key: BlockHash, states: Sequence[DeltaState], position: int) -> bool:
+        """Cache ``states`` (one per delta layer, after ``position`` tokens) under
+        ``key``, evicting the least valuable free slot if none is empty. True when
+        ``key`` is cached afterwards (already was: its last use is refreshed, or
+        written now); False when no slot is free (every slot is being restored:
+        nothing is evicted for it)."""
         if len(states) != self.num_delta_layers:
             raise ValueError("expected %d delta states, got %d" % (self.num_delta_layers, len(states)))
-        if self.pool.lookup(key) is not None:
+        held = self.pool.lookup(key)
+        if held is not None:
+            self._used(held)
             return True
         got = self.pool.allocate(1)
         if got is None:
@@ -71,9 +119,34 @@ class StateCache:
             self.conv[slot, i] = st.conv
             self.ssm[slot, i] = st.ssm
         self.pool.cache(slot, key)
+        self.position[slot], self.hits[slot] = position, 0
+        self._used(slot)
+        self.writes += 1
         self.pool.free(got)
         return True
 
     def read(self, slot: int) -> list[DeltaState]:
-        """Owned copies of the states in ``slot`` (a restore: the slot stays cached)."""
+        """Owned copies of the states in ``slot`` (a restore: the slot stays
+        cached, and the restore counts as a hit)."""
+        self.hits[slot] += 1
+        self._used(slot)
         return [DeltaState(self.conv[slot, i].clone(), self.ssm[slot, i].clone()) for i in range(self.num_delta_layers)]
+
+    def value(self, slot: int) -> float:
+        """The value of cached ``slot`` now (``checkpoint_value``; tests, stats)."""
+        age = self.clock() - self.last_use[slot]
+        turns = (self.writes - self.last_writes[slot]) / self.pool.num_slots
+        pos, nbytes, hits = self.position[slot], self.slot_bytes, self.hits[slot]
+        return checkpoint_value(pos, nbytes, hits, age, self.half_life_s, self.compute, turns)
+
+    def _used(self, slot: int) -> None:
+        self.last_use[slot], self.last_writes[slot] = self.clock(), self.writes
+        pos, nbytes, hits = self.position[slot], self.slot_bytes, self.hits[slot]
+        turns = self.writes / self.pool.num_slots
+        self.rank[slot] = value_rank(pos, nbytes, hits, self.last_use[slot], self.half_life_s, self.compute, turns)
+
+    def _victim(self, free: Iterable[int]) -> int:
+        """The free slot to take: an uncached one, else the lowest rank (the
+        first, i.e. oldest, among equals). O(free slots) per eviction."""
+        hash_of, rank = self.pool.hash_of, self.rank
+        return min(free, key=lambda s: -math.inf if hash_of[s] is None else rank[s])
