@@ -204,6 +204,39 @@ class PrefixIndex:
                 pool.release(conn)
         raise AssertionError("unreachable")
 
+    # -- checkpoint reuse (eviction by value: hybridpd/checkpoint_value.py) --------------------
+    def _hit_key(self, h: BlockHash) -> bytes:
+        return (self.keys.prefix + "hit:").encode() + h
+
+    def record_state_hits(self, hits: Sequence[tuple[BlockHash, float]]) -> None:
+        """Count one reuse per ``(state hash, unix time)``: a prefill that hit the
+        prefix ending at that hash (locally or from the store). ``hpd:<m>:hit:<H>``
+        is a hash of ``n`` (reuses) and ``t`` (the last one's time), expiring
+        ``ttl_s`` after its last reuse; the ledgers of the instances that put a
+        state object read it to value their objects (``state_hits``)."""
+        if not hits:
+            return
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            for h, t in hits:
+                key = self._hit_key(h)
+                pipe.hincrby(key, "n", 1)
+                pipe.hset(key, "t", repr(float(t)))
+                pipe.expire(key, self.ttl_s)
+            pipe.execute()
+
+    def state_hits(self, state_hashes: Sequence[BlockHash]) -> list[tuple[int, float]]:
+        """``(reuses, last reuse's unix time)`` per state hash, in one round trip;
+        ``(0, 0.0)`` for one never reused (or expired)."""
+        if not state_hashes:
+            return []
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            for h in state_hashes:
+                pipe.hmget(self._hit_key(h), "n", "t")
+            rows = pipe.execute()
+        return [(int(n or 0), float(t or 0.0)) for n, t in rows]
+
 
 #: arguments of lookup.lua: prefix, num_tokens, unit, eagle, the chain's KV keys, hash length
 LOOKUP_ARGC = 6

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +39,8 @@ class PutResult:
     objects_written: int
     bytes_written: int
     seconds: float
+    #: of ``bytes_written``, the state object's (it is always written)
+    state_bytes: int = 0
 
 
 def _loopback_env() -> None:
@@ -75,14 +77,13 @@ class CheckpointStore:
     # -- generic objects -------------------------------------------------------------
     def put_objects(self, items: Sequence[tuple[str, str, int, Sequence[torch.Tensor]]]) -> int:
         """Put ``(key, kind, position, buffers)`` items; returns bytes written."""
-        total = 0
-        for key, kind, position, bufs in items:
-            parts = objects.encode(self.model_id, kind, position, bufs)
-            rc = self.store.put_parts(key, *parts)
-            if rc != 0:
-                raise UnavailableError("store put %s failed (rc %d)" % (key, rc))
-            total += sum(len(p) for p in parts)
-        return total
+        return sum(self._put(key, objects.encode(self.model_id, kind, pos, bufs)) for key, kind, pos, bufs in items)
+
+    def _put(self, key: str, parts: Sequence[memoryview | bytes]) -> int:
+        rc = self.store.put_parts(key, *parts)
+        if rc != 0:
+            raise UnavailableError("store put %s failed (rc %d)" % (key, rc))
+        return sum(len(p) for p in parts)
 
     def get_objects(self, keys: Sequence[str], kind: str) -> list[tuple[objects.ObjectHeader, list[torch.Tensor]]]:
         datas = self.store.get_batch(list(keys))
@@ -100,14 +101,23 @@ class CheckpointStore:
         self.store.batch_remove(list(keys), True)
 
     # -- checkpoints -----------------------------------------------------------------
-    def put_checkpoint(self, kv: KVExport, state: StateCheckpoint, unit: int) -> PutResult:
+    def put_checkpoint(
+        self, kv: KVExport, state: StateCheckpoint, unit: int, make_room: Callable[[int], None] | None = None
+    ) -> PutResult:
         """Store state@p and the KV blocks of ``kv`` (``[0, q)``, q >= p) missing
         from the store. KV past ``p`` matters: an EAGLE hit drops the last
-        cached block, so a hit at ``p`` needs block ``[p, p + u)`` present."""
+        cached block, so a hit at ``p`` needs block ``[p, p + u)`` present.
+
+        ``make_room(n)`` runs first, with the state object's exact size, before
+        anything is written (the publisher evicts there to stay within its state
+        budget); if it raises, nothing is written."""
         t0 = time.perf_counter()
         pos = state.meta.position
         if state.key is None or len(kv.block_hashes) != kv.meta.position // unit or kv.meta.position < pos:
             raise ValueError("checkpoint must carry KV and the chain hashes of at least [0, %d)" % pos)
+        st_parts = objects.encode(self.model_id, "state", pos, list(state.buffers))
+        if make_room is not None:
+            make_room(sum(len(p) for p in st_parts))
         keys = [self.key("kv", h) for h in kv.block_hashes]
         present = self.exists(keys)
         items: list[tuple[str, str, int, Sequence[torch.Tensor]]] = []
@@ -115,9 +125,9 @@ class CheckpointStore:
             if not there:
                 rows = slice(i * unit, (i + 1) * unit)
                 items.append((k, "kv", (i + 1) * unit, [b[rows] for b in kv.buffers]))
-        items.append((self.key("st", state.key), "state", pos, list(state.buffers)))
         nbytes = self.put_objects(items)
-        return PutResult(len(items), nbytes, time.perf_counter() - t0)
+        st_bytes = self._put(self.key("st", state.key), st_parts)
+        return PutResult(len(items) + 1, nbytes + st_bytes, time.perf_counter() - t0, st_bytes)
 
     def get_checkpoint(
         self, block_hashes: Sequence[BlockHash], unit: int, position: int | None = None

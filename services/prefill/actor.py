@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import asdict
 
+from hybridpd.checkpoint_value import LINEAR_ONLY
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine, FinishReason, HandoffStats
 from hybridpd.engine.factory import make_engine
@@ -100,7 +101,19 @@ class PrefillWorker(WorkerBase):
         self.counters = PrefillCounters()
         self.metrics = ray_metrics(name, PREFILL_COUNTERS, PREFILL_GAUGES, PREFILL_HISTOGRAMS)
         self.publisher = CachePublisher(
-            name, self.index, self.store, self.engine.unit, self.counters, self.stats_lock, self._observe
+            name,
+            self.index,
+            self.store,
+            self.engine.unit,
+            self.counters,
+            self.stats_lock,
+            self._observe,
+            hasher=self.engine.hasher,
+            state_budget_bytes=int(cfg.store_state_budget_mb * (1 << 20)),
+            half_life_s=cfg.checkpoint_half_life_s,
+            # NOTE: not in the Engine protocol; an engine that does not describe its
+            # compute (vLLM exports nothing to our store) is valued by position
+            compute=getattr(self.engine, "compute_model", LINEAR_ONLY),
         )
         self.loop = EngineLoop(self.engine, after_step=lambda: self.publisher.collect(self.engine))
         self._stop = threading.Event()
@@ -139,6 +152,7 @@ class PrefillWorker(WorkerBase):
             "prefill_queued_tokens": load.queued_tokens,
             "prefill_running_requests": load.running_requests,
             "free_kv_blocks": load.free_blocks,
+            "store_state_bytes": self.publisher.ledger_stats().nbytes,
         }
         return counters, gauges
 
@@ -160,6 +174,8 @@ class PrefillWorker(WorkerBase):
             self.counters.prefill_loaded_tokens += out.num_cached_tokens
             self.counters.handoff_offered_bytes += ticket.nbytes if ticket is not None else 0
         self.publisher.flush(PUBLISH_WAIT_S)  # the router's next lookup sees this prompt's cache
+        if out.num_cached_tokens > 0:  # a reuse of the checkpoint there (its value: checkpoint_value.py)
+            self.publisher.record_hit(req.prompt_token_ids, req.cache_salt, out.num_cached_tokens)
         if ticket is None and not out.new_token_ids and out.finish_reason is not FinishReason.ABORT:
             raise UnavailableError(
                 "prefill of %s on %s produced neither a token nor a handoff" % (req.request_id, self.name)
@@ -235,7 +251,20 @@ class PrefillWorker(WorkerBase):
 
     def stats(self) -> dict:
         hs = self._handoff_stats()
-        return {**self._base_stats(), "handoffs_outstanding": hs.outstanding, "handoffs_expired": hs.expired}
+        led = self.publisher.ledger_stats()
+        store_state = {
+            "bytes": led.nbytes,
+            "objects": led.objects,
+            "tokens": led.tokens,
+            "budget_bytes": led.budget_bytes,
+            "bytes_per_token": led.nbytes / led.tokens if led.tokens else 0.0,
+        }
+        return {
+            **self._base_stats(),
+            "handoffs_outstanding": hs.outstanding,
+            "handoffs_expired": hs.expired,
+            "store_state": store_state,
+        }
 
     def close(self) -> None:
         self._stop.set()

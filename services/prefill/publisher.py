@@ -11,21 +11,37 @@
   cache, whatever its predecessor published.
 * **checkpoint exports** (``Engine.pop_exports``) are put in MooncakeStore by
   another thread and published in the index only after the put succeeded.
+  That thread keeps a ledger of the state objects this instance put
+  (``ValueLedger``: bytes, position, last use, reuses) within
+  ``state_budget_bytes``: before a put that would exceed it, the least
+  valuable (``hybridpd/checkpoint_value.py``) are evicted, index entry first,
+  then the object, so the index never promises what is gone; if that cannot
+  be done (the index is down) the put is skipped. Reuses come from
+  ``record_hit`` (a prefill that hit a prefix: counted in the index for every
+  instance's ledger) and from the index's counts, read at most once per
+  ``HIT_REFRESH_S`` when an eviction is due. KV block objects are left to
+  Mooncake's own eviction.
 
 ``flush`` lets a prefill return only once the events of its own step are in
-the index (bounded wait), so the router's next lookup sees them.
+the index (bounded wait), so the router's next lookup sees them; ``settle``
+waits for the export thread (tests).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ValueLedger
 from hybridpd.engine.base import CacheEvent, Engine, KVExport, StateCheckpoint
 from hybridpd.errors import UnavailableError
+from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from services.worker.metrics import PrefillCounters
@@ -34,6 +50,27 @@ logger = logging.getLogger(__name__)
 
 #: hashes kept for replay while the index is unavailable
 MAX_BACKLOG = 200_000
+#: how often (at most) the ledger re-reads the index's reuse counts, seconds
+HIT_REFRESH_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Hit:
+    """A prefill that restored ``tokens`` (a prefix ending at a state checkpoint) at ``at``."""
+
+    tokens: tuple[int, ...]
+    cache_salt: str | None
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerStats:
+    """The state objects this instance holds in the store (``stats()``, the gauge)."""
+
+    nbytes: int
+    objects: int
+    tokens: int  # prompt tokens they restore, each counted at its position
+    budget_bytes: int
 
 
 class CachePublisher:
@@ -46,6 +83,12 @@ class CachePublisher:
         counters: PrefillCounters,
         stats_lock: threading.Lock,
         observe: Callable[[str, float], None],
+        *,
+        hasher: BlockHasher | None = None,
+        state_budget_bytes: int = 1 << 30,
+        half_life_s: float = 1800.0,
+        compute: ComputeModel = LINEAR_ONLY,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.instance = instance
         self.index = index
@@ -54,11 +97,17 @@ class CachePublisher:
         self.counters = counters
         self.stats_lock = stats_lock
         self.observe = observe
+        self.hasher = hasher
+        #: wall-clock seconds for the ledger's ages (reuse times come from every instance); tests freeze it
+        self.clock = clock
+        self.ledger = ValueLedger(state_budget_bytes, half_life_s, compute)
+        self._ledger_lock = threading.Lock()  # written by the export thread, read by stats / metrics
+        self._hits_read_at = -math.inf  # time.monotonic() of the last read of the index's counts
         self._events: deque[CacheEvent] = deque()
         self._cond = threading.Condition()
         self._enqueued = 0  # batches collected
         self._applied = 0  # batches the index took (or that were dropped)
-        self._exports: queue.Queue[tuple[KVExport, StateCheckpoint]] = queue.Queue()
+        self._exports: queue.Queue[tuple[KVExport, StateCheckpoint] | _Hit] = queue.Queue()
         self._stop = threading.Event()
         self._cleared = index is None
         self._healthy = True  # the last index write succeeded (flush waits only then)
@@ -75,6 +124,31 @@ class CachePublisher:
                 self._events.extend(events)
                 self._enqueued += 1
                 self._cond.notify_all()
+
+    def record_hit(self, token_ids: Sequence[int], cache_salt: str | None, num_cached: int) -> None:
+        """A prefill restored its first ``num_cached`` tokens (a local or store hit):
+        count a reuse of the state checkpoint there (hashed and written by the export
+        thread, off the request's path). Ignored without a store or an index."""
+        if (
+            self.store is None
+            or self.index is None
+            or self.hasher is None
+            or num_cached <= 0
+            or num_cached % self.unit
+        ):
+            return
+        self._exports.put(_Hit(tuple(token_ids[:num_cached]), cache_salt, self.clock()))
+
+    def ledger_stats(self) -> LedgerStats:
+        with self._ledger_lock:
+            led = self.ledger
+            return LedgerStats(led.nbytes, len(led), led.tokens, led.budget_bytes)
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until every export and hit collected so far is processed; False on timeout."""
+        q = self._exports
+        with q.all_tasks_done:
+            return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout_s)
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until every batch collected so far is in the index; False on timeout."""
@@ -149,19 +223,32 @@ class CachePublisher:
     def _run_exports(self) -> None:
         while not self._stop.is_set():
             try:
-                kv, st = self._exports.get(timeout=0.5)
+                item = self._exports.get(timeout=0.5)
             except queue.Empty:
                 continue
-            self._export(kv, st)
+            try:
+                if isinstance(item, _Hit):
+                    self._record_hit(item)
+                else:
+                    self._export(*item)
+            finally:
+                self._exports.task_done()
 
     def _export(self, kv: KVExport, st: StateCheckpoint) -> None:
         try:
             if self.store is None:
                 raise UnavailableError("no MooncakeStore configured")
-            res = self.store.put_checkpoint(kv, st, self.unit)
+            key = st.key
+            res = self.store.put_checkpoint(
+                kv, st, self.unit, make_room=None if key is None else lambda n: self._make_room(key, n)
+            )
+            if key is not None:  # held from the put on, published or not
+                with self._ledger_lock:
+                    self.ledger.add(key, res.state_bytes, st.meta.position, self.clock())
             with self.stats_lock:
                 self.counters.checkpoint_exports += 1
                 self.counters.checkpoint_export_bytes += res.bytes_written
+                self.counters.checkpoint_state_bytes += res.state_bytes
             self.observe("store_put_seconds", res.seconds)
             if self.index is not None:  # published only after the put succeeded
                 self.index.publish_store(kv.block_hashes, st.key, st.meta.position)
@@ -169,6 +256,54 @@ class CachePublisher:
             with self.stats_lock:
                 self.counters.checkpoint_export_failures += 1
             logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
+
+    # -- the state budget ----------------------------------------------------------------
+    def _make_room(self, key: BlockHash, nbytes: int) -> None:
+        """Evict the least valuable state objects until ``nbytes`` more (for ``key``;
+        a re-put replaces its old bytes) fit the budget. Raises, and so skips the put,
+        when they cannot (larger than the budget; the index or the store failing)."""
+        with self._ledger_lock:
+            held = self.ledger.entries.get(key)
+            need = nbytes - (held.nbytes if held is not None else 0)
+            if self.ledger.nbytes + need <= self.ledger.budget_bytes:
+                return
+        self._refresh_hits()
+        with self._ledger_lock:
+            victims = self.ledger.victims(need, keep=(key,))
+        self._evict(victims)
+
+    def _evict(self, victims: list[BlockHash]) -> None:
+        assert self.store is not None
+        if self.index is not None:  # the index first: it never promises an object that is gone
+            self.index.remove_store(state_hashes=victims)
+        self.store.remove([self.store.key("st", h) for h in victims])
+        with self._ledger_lock:
+            self.ledger.remove(victims)
+        with self.stats_lock:
+            self.counters.checkpoint_evictions += len(victims)
+        logger.debug("evicted %d state checkpoints from the store (budget)", len(victims))
+
+    def _refresh_hits(self) -> None:
+        """Merge every instance's reuse counts of our objects (at most once per HIT_REFRESH_S)."""
+        if self.index is None or time.monotonic() - self._hits_read_at < HIT_REFRESH_S:
+            return
+        with self._ledger_lock:
+            keys = list(self.ledger.entries)
+        counts = self.index.state_hits(keys)
+        with self._ledger_lock:
+            for k, (n, t) in zip(keys, counts, strict=True):
+                self.ledger.observe(k, n, t)
+        self._hits_read_at = time.monotonic()
+
+    def _record_hit(self, hit: _Hit) -> None:
+        assert self.hasher is not None and self.index is not None
+        key = self.hasher.chain(list(hit.tokens), cache_salt=hit.cache_salt)[-1]
+        with self._ledger_lock:
+            self.ledger.hit(key, hit.at)
+        try:
+            self.index.record_state_hits([(key, hit.at)])
+        except Exception as exc:  # a lost count only makes a checkpoint look less used
+            logger.debug("reuse of the checkpoint at %d not counted: %s", len(hit.tokens), exc)
 
     def close(self) -> None:
         self._stop.set()

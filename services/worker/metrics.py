@@ -104,6 +104,10 @@ class PrefillCounters:
     checkpoint_exports: int = _counter("Checkpoints put in the store and published.")
     checkpoint_export_bytes: int = _counter("Bytes of checkpoints put in the store.")
     checkpoint_export_failures: int = _counter("Checkpoints that could not be stored or published.")
+    checkpoint_state_bytes: int = _counter("State-checkpoint bytes put in the store (part of checkpoint_export_bytes).")
+    checkpoint_evictions: int = _counter(
+        "State checkpoints this instance evicted from the store by value (index entry first, then the object)."
+    )
     handoff_offered_bytes: int = _counter("Bytes offered to decode over NIXL.")
     handoffs_expired: int = _counter("Handoffs freed by timeout (decode never read them).")
     store_get_bytes: int = _counter("Bytes of checkpoints loaded from MooncakeStore.")
@@ -133,6 +137,7 @@ PREFILL_GAUGES = {
     "prefill_queued_tokens": "Prompt tokens waiting in this instance.",
     "prefill_running_requests": "Requests prefilling in this instance.",
     "free_kv_blocks": "Free KV blocks in this instance's pool.",
+    "store_state_bytes": "State-checkpoint bytes this instance holds in the store now (at most store_state_budget_mb).",
 }
 PREFILL_HISTOGRAMS = {
     "store_put_seconds": ("Time to put one checkpoint in MooncakeStore.", LATENCY_BUCKETS),
