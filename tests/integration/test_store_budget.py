@@ -124,3 +124,82 @@ def test_the_shared_system_prompt_survives_a_flood_within_the_budget(
             cleaner.remove([cleaner.key("kv", h) for h in kv] + [cleaner.key("st", h) for h in put])
         finally:
             cleaner.close()
+
+
+# -- what the publisher does when it cannot make room (fakes: no services needed) ---------------
+class _FakeStore:
+    """put_checkpoint's contract: make_room(state bytes) first; nothing written if it raises."""
+
+    def __init__(self) -> None:
+        self.objects: set[str] = set()
+
+    def key(self, kind: str, h: BlockHash) -> str:
+        return "%s/%s" % (kind, h.hex())
+
+    def put_checkpoint(self, kv, st, unit, make_room=None):
+        from hybridpd.store.client import PutResult
+
+        if make_room is not None:
+            make_room(100)
+        self.objects.add(self.key("st", st.key))
+        return PutResult(1, 100, 0.0, 100)
+
+    def remove(self, keys: list[str]) -> None:
+        self.objects -= set(keys)
+
+
+class _FakeIndex:
+    def __init__(self) -> None:
+        self.down = False
+        self.entries: set[BlockHash] = set()
+
+    def publish_store(self, block_hashes, state_hash, position) -> None:
+        self.entries.add(state_hash)
+
+    def remove_store(self, kv_hashes=(), state_hashes=()) -> None:
+        from hybridpd.errors import UnavailableError
+
+        if self.down:
+            raise UnavailableError("redis down")
+        self.entries -= set(state_hashes)
+
+    def state_hits(self, hashes):
+        return [(0, 0.0) for _ in hashes]
+
+
+def test_without_the_index_nothing_is_evicted_and_nothing_more_is_put() -> None:
+    import threading
+
+    from hybridpd.engine.base import BufferMeta, KVExport, StateCheckpoint
+    from services.prefill.publisher import CachePublisher
+    from services.worker.metrics import PrefillCounters
+
+    store, index, counters = _FakeStore(), _FakeIndex(), PrefillCounters()
+    pub = CachePublisher(
+        "p", index, store, UNIT, counters, threading.Lock(), lambda n, v: None,  # type: ignore[arg-type]
+        state_budget_bytes=250, clock=lambda: 5.0,
+    )  # fmt: skip
+    try:
+
+        def export(i: int) -> BlockHash:
+            key = BlockHash(bytes([i]) * 32)
+            meta = BufferMeta("m", "state", 16, "float32", (), "delta")
+            pub._exports.put((KVExport(meta, ()), StateCheckpoint(meta, key, ())))
+            assert pub.settle(10)
+            return key
+
+        a, b = export(1), export(2)
+        assert index.entries == {a, b} and pub.ledger_stats().nbytes == 200
+        index.down = True
+        export(3)  # no room without evicting, and the index cannot drop an entry: skipped
+        assert index.entries == {a, b} and len(store.objects) == 2 and pub.ledger_stats().nbytes == 200
+        assert (counters.checkpoint_export_failures, counters.checkpoint_evictions) == (1, 0)
+        index.down = False
+        c = export(4)  # the oldest goes: entry first, then object
+        assert index.entries == {b, c} and store.objects == {store.key("st", b), store.key("st", c)}
+        assert counters.checkpoint_evictions == 1 and pub.ledger_stats().nbytes == 200
+        pub.ledger.budget_bytes = 50  # an object larger than the whole budget is never put
+        export(5)
+        assert counters.checkpoint_export_failures == 2 and pub.ledger_stats().objects == 2
+    finally:
+        pub.close()

@@ -170,7 +170,7 @@ def _trace(seed: int, n: int = 2000, rate: float = 2.0) -> Trace:
     asked about again while recent (20%: one of the last 20), one-off prompts of 256..8192
     tokens (the rest; 30% of them become such documents)."""
     rng = random.Random(seed)
-    systems = [(("sys", i), n_tok) for i, n_tok in enumerate((1024, 2048, 4096))]
+    systems: list[tuple[object, int]] = [(("sys", i), n_tok) for i, n_tok in enumerate((1024, 2048, 4096))]
     docs: list[tuple[object, int]] = []
     out: Trace = []
     for k in range(n):
