@@ -68,6 +68,8 @@ def _send(client: httpx.Client, url: str, r: PlannedRequest, max_tokens: int) ->
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError("%s %s: %s" % (path, r.label, data["error"]))
             if ttft is None and data.get("choices"):
                 ttft = time.perf_counter() - t0
             usage = data.get("usage") or usage
@@ -102,6 +104,14 @@ def _settled_counter(url: str) -> tuple[str | None, int]:
     return key, last
 
 
+#: sent before the plan, not recorded: a token-id prompt (ids the plan's random
+#: prompts share at most by chance, never a unit) and a chat prompt with no system message
+WARMUP = (
+    PlannedRequest("warmup", "ids", tokens=tuple(range(2047, 2047 - 40, -1))),
+    PlannedRequest("warmup", "chat", messages=(("user", "Return the warm-up value."),)),
+)
+
+
 def run_plan(
     url: str, plan: Sequence[PlannedRequest], w: Workload, encode: ChatEncoder, native: bool
 ) -> dict[str, Any]:
@@ -122,8 +132,10 @@ def run_plan(
     ideals = ideal_tokens(prompts, w.unit)
     records: list[dict[str, Any]] = []
     state_bytes: dict[str, int] = {}
-    counter, before = _settled_counter(url) if native else (None, 0)
     with httpx.Client() as client:
+        for warm in WARMUP:  # one-time costs out of the first TTFT; shares < 1 unit with the plan
+            _send(client, url, warm, w.max_tokens)
+        counter, before = _settled_counter(url) if native else (None, 0)
         for i, r in enumerate(tqdm(plan, desc="requests", unit="req")):
             res = _send(client, url, r, w.max_tokens)
             u = res["usage"]
@@ -155,12 +167,20 @@ def run_plan(
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
+    """``hybridpd up`` flags per variant (vllm-direct: see ``_run_vllm``). Answer
+    checkpoints (issue #17: prefill the model's own answer after a chat turn) are
+    off where the config has them: the plan's answers are made up, so no later
+    request continues the model's, and their prefills would add store bytes."""
+    from hybridpd.config import HybridPDConfig
+
     common = ["--prefix-match-unit", str(w.unit), "--mamba-block-size", str(w.mamba_block_size)]
+    if "answer_checkpoints" in HybridPDConfig.model_fields:
+        common.append("--no-answer-checkpoints")
     return {
         "tail-only": [*common, "--checkpoint-policy", "tail-only"],
         "branch-aware": [*common, "--checkpoint-policy", "branch-aware"],
         "nocache": [*common, "--no-enable-prefix-caching"],
-        "vllm-direct": [],  # not our stack: see _run_vllm
+        "vllm-direct": [],
     }
 
 
@@ -219,12 +239,15 @@ def run(
     """Run the variants (all, or ``only`` these, merged into the same workload's
     earlier results in ``json_path``) and write JSON + PNG + markdown.
     ``overrides`` replace workload fields (``--workload``)."""
+    import os
+
     from launch.stack_process import StackProcess
 
     w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
     plan = build_plan(w, native_chat_encoder())
     results: dict[str, Any] = {}
     notes: dict[str, str] = {}
+    load_before = os.getloadavg()[0]
     for name, args in variants(w).items():
         if only and name not in only:
             continue
@@ -249,6 +272,7 @@ def run(
         "variants": results,
         "checks": checks(results),
         "notes": notes,
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
     }
     _write(json_path, out)
     return out
