@@ -25,13 +25,15 @@ import time
 from dataclasses import asdict
 
 from hybridpd.checkpoint_value import LINEAR_ONLY
+from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import Engine, FinishReason, HandoffStats
+from hybridpd.engine.base import Engine, EngineRequest, FinishReason, HandoffStats
 from hybridpd.engine.factory import make_engine
 from hybridpd.errors import IntegrityError, UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
+from services.prefill.answers import AnswerCheckpoints
 from services.prefill.publisher import CachePublisher
 from services.worker.base import WorkerBase, ray_metrics, startup_guard
 from services.worker.engine_loop import EngineLoop
@@ -116,6 +118,9 @@ class PrefillWorker(WorkerBase):
             compute=getattr(self.engine, "compute_model", LINEAR_ONLY),
         )
         self.loop = EngineLoop(self.engine, after_step=lambda: self.publisher.collect(self.engine))
+        self.answers = AnswerCheckpoints(
+            self.engine, self.loop, self.publisher.flush, self._count, self._observe, self._tag_answer
+        )
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
         if self.metrics is not None:
@@ -230,6 +235,24 @@ class PrefillWorker(WorkerBase):
             self.counters.prefill_store_load_failures += int(not ok)
         return cmd.store_hit if ok else 0
 
+    def answer(self, req: EngineRequest) -> bool:
+        """Make ``req`` (a finished chat's prompt + answer, ``background``) part of the
+        cached prefix at low priority (``answers.py``); returns at once."""
+        return self.answers.submit(req)
+
+    def _count(self, counter: str, n: int) -> None:
+        with self.stats_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+
+    def _tag_answer(self, req: EngineRequest) -> None:
+        """Count the bytes of ``req``'s tail checkpoint export as an answer's."""
+        n = len(req.prompt_token_ids)
+        pos = checkpoint_position(n, self.engine.unit, self.cfg.eagle)
+        if pos > 0:
+            self.publisher.tag_answer(
+                self.engine.hasher.chain(req.prompt_token_ids[:pos], cache_salt=req.cache_salt)[-1]
+            )
+
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)
 
@@ -268,6 +291,7 @@ class PrefillWorker(WorkerBase):
 
     def close(self) -> None:
         self._stop.set()
+        self.answers.close()
         self.loop.close()
         self.publisher.close()
         self.engine.close()

@@ -50,10 +50,13 @@ class AnswerCheckpoints:
         flush: Callable[[float], bool],
         count: Callable[[str, int], None],
         observe: Callable[[str, float], None],
+        tag: Callable[[EngineRequest], None] = lambda req: None,
     ) -> None:
         """``flush(timeout)`` waits until the engine's cache events are in the index;
-        ``count(counter, n)`` adds to a worker counter; ``observe(histogram, s)``."""
+        ``count(counter, n)`` adds to a worker counter; ``observe(histogram, s)``;
+        ``tag(req)`` marks the checkpoint ``req`` will export as an answer's."""
         self.engine, self.loop, self.flush, self.count, self.observe = engine, loop, flush, count, observe
+        self.tag = tag
         self._queue: deque[tuple[EngineRequest, float]] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -94,6 +97,7 @@ class AnswerCheckpoints:
                 self.count("answer_checkpoints_failed", 1)
 
     def _one(self, req: EngineRequest, t0: float) -> None:
+        self.tag(req)
         q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=False))
         while True:
             try:

@@ -108,6 +108,8 @@ class CachePublisher:
         self._enqueued = 0  # batches collected
         self._applied = 0  # batches the index took (or that were dropped)
         self._exports: queue.Queue[tuple[KVExport, StateCheckpoint] | _Hit] = queue.Queue()
+        #: state keys of answer checkpoints not exported yet (their bytes are counted apart)
+        self._answer_keys: dict[BlockHash, None] = {}
         self._stop = threading.Event()
         self._cleared = index is None
         self._healthy = True  # the last index write succeeded (flush waits only then)
@@ -129,13 +131,7 @@ class CachePublisher:
         """A prefill restored its first ``num_cached`` tokens (a local or store hit):
         count a reuse of the state checkpoint there (hashed and written by the export
         thread, off the request's path). Ignored without a store or an index."""
-        if (
-            self.store is None
-            or self.index is None
-            or self.hasher is None
-            or num_cached <= 0
-            or num_cached % self.unit
-        ):
+        if self.store is None or self.index is None or self.hasher is None or num_cached <= 0 or num_cached % self.unit:
             return
         self._exports.put(_Hit(tuple(token_ids[:num_cached]), cache_salt, self.clock()))
 
@@ -245,7 +241,10 @@ class CachePublisher:
             if key is not None:  # held from the put on, published or not
                 with self._ledger_lock:
                     self.ledger.add(key, res.state_bytes, st.meta.position, self.clock())
+            answer = key is not None and self._answer_keys.pop(key, None) is not None
             with self.stats_lock:
+                if answer:
+                    self.counters.answer_checkpoint_bytes += res.bytes_written
                 self.counters.checkpoint_exports += 1
                 self.counters.checkpoint_export_bytes += res.bytes_written
                 self.counters.checkpoint_state_bytes += res.state_bytes
@@ -256,6 +255,13 @@ class CachePublisher:
             with self.stats_lock:
                 self.counters.checkpoint_export_failures += 1
             logger.warning("checkpoint at %d not published: %s", st.meta.position, exc)
+
+    def tag_answer(self, key: BlockHash) -> None:
+        """The export of state ``key`` will be an answer checkpoint's: its bytes count
+        as ``answer_checkpoint_bytes`` (bounded: the oldest tags go first)."""
+        self._answer_keys[key] = None
+        while len(self._answer_keys) > 1024:
+            self._answer_keys.pop(next(iter(self._answer_keys)))
 
     # -- the state budget ----------------------------------------------------------------
     def _make_room(self, key: BlockHash, nbytes: int) -> None:

@@ -108,6 +108,12 @@ class PrefillCounters:
     checkpoint_evictions: int = _counter(
         "State checkpoints this instance evicted from the store by value (index entry first, then the object)."
     )
+    answer_checkpoints: int = _counter("Answer checkpoints written (prompt + answer prefilled at low priority).")
+    answer_checkpoint_tokens: int = _counter("Tokens computed for answer checkpoints (the answers, mostly).")
+    answer_checkpoint_bytes: int = _counter("Bytes of answer checkpoints put in the store.")
+    answer_checkpoints_dropped: int = _counter("Answer checkpoints dropped: too many waiting on this instance.")
+    answer_checkpoints_skipped: int = _counter("Answer checkpoints this engine cannot make (vLLM).")
+    answer_checkpoints_failed: int = _counter("Answer checkpoints that failed (a later hit is lost, nothing else).")
     handoff_offered_bytes: int = _counter("Bytes offered to decode over NIXL.")
     handoffs_expired: int = _counter("Handoffs freed by timeout (decode never read them).")
     store_get_bytes: int = _counter("Bytes of checkpoints loaded from MooncakeStore.")
@@ -140,6 +146,10 @@ PREFILL_GAUGES = {
     "store_state_bytes": "State-checkpoint bytes this instance holds in the store now (at most store_state_budget_mb).",
 }
 PREFILL_HISTOGRAMS = {
+    "answer_publish_seconds": (
+        "From a finished answer reaching its prefill instance to its checkpoint in the index.",
+        LATENCY_BUCKETS,
+    ),
     "store_put_seconds": ("Time to put one checkpoint in MooncakeStore.", LATENCY_BUCKETS),
     "store_get_seconds": ("Time to load one checkpoint from MooncakeStore.", LATENCY_BUCKETS),
     "prefill_seconds": ("Time to prefill one request (queue included).", LATENCY_BUCKETS),

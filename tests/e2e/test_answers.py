@@ -1,0 +1,96 @@
+"""Answer checkpoints through the public API (issue #17): the next turn of a
+chat hits the previous answer too, outputs stay equal to a monolithic
+no-cache run of the same ids, and a stop-string answer is never covered.
+
+The stack runs EAGLE on, u=16 (tests/e2e/conftest.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from openai import OpenAI
+
+from hybridpd.checkpoints import checkpoint_position
+from hybridpd.tokenizer import ChatMessage
+from services.router.answers import strip_stop
+from tests.e2e.conftest import Stack
+
+pytestmark = pytest.mark.e2e
+
+U = 16
+SYSTEM = "You are a patient tutor. Explain every idea in plain words, with one short example each time."
+
+
+@pytest.fixture(scope="module")
+def client(stack: Stack) -> OpenAI:
+    return OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0)
+
+
+def _answers_done(stack: Stack) -> int:
+    return sum(int(s.get("answer_checkpoints", 0)) for name, s in stack.stats().items() if name.startswith("prefill"))
+
+
+def _wait_answers(stack: Stack, target: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _answers_done(stack) < target:  # the answer prefill runs after the stream ended
+        assert time.monotonic() < deadline, "answer checkpoint not written in %.0f s" % timeout_s
+        time.sleep(0.2)
+
+
+def _chat(client: OpenAI, msgs: list[dict[str, str]], **extra: object):  # type: ignore[no-untyped-def]
+    return client.chat.completions.create(
+        model="tiny",
+        messages=msgs,  # type: ignore[arg-type]
+        max_tokens=40,
+        temperature=0,
+        extra_body={"return_token_ids": True, "hybridpd_prefill_instance": "prefill-0", **extra},
+    )
+
+
+def test_next_turn_hits_the_answer_and_equals_a_no_cache_run(
+    client: OpenAI,
+    stack: Stack,
+    reference,  # type: ignore[no-untyped-def]
+) -> None:
+    run, tok = reference
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a recurrent state?"}]
+    p1 = tok.chat_prompt([ChatMessage(**m) for m in turn1])
+    before = _answers_done(stack)
+    first = _chat(client, turn1)
+    gen = list(first.choices[0].token_ids)  # type: ignore[attr-defined]
+    assert first.choices[0].finish_reason in ("stop", "length")
+    _wait_answers(stack, before + 1)
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.choices[0].message.content or ""},
+        {"role": "user", "content": "Give me another example, please."},
+    ]
+    # the ids the router builds: the generated ids stand for the answer's text
+    head = tuple(p1.ids) + strip_stop(gen, tok.stop_token_ids)
+    ids2 = tok.chat_prompt([ChatMessage(**m) for m in turn2], recall=lambda _text: (head, len(p1.ids))).ids
+    second = _chat(client, turn2)
+    assert second.usage is not None and second.usage.prompt_tokens == len(ids2)
+    answered = len(p1.ids) + len(gen)  # prompt + answer, as the answer checkpoint computed them
+    shared = next((i for i, (a, b) in enumerate(zip(ids2, list(p1.ids) + gen, strict=False)) if a != b), answered)
+    assert shared >= answered - 1  # at most the stop token differs from the template's end of turn
+    want_hit = checkpoint_position(shared + 1, U, True)  # EAGLE replays the unit before it
+    assert want_hit > checkpoint_position(len(p1.ids), U, True)  # past the prompt: the answer is hit
+    assert second.usage.prompt_tokens_details.cached_tokens == want_hit
+    assert second.choices[0].token_ids == run(ids2, 40)  # type: ignore[attr-defined]
+
+
+def test_answer_checkpoint_off_per_request_and_after_a_stop_string(client: OpenAI, stack: Stack) -> None:
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is attention?"}]
+    before = _answers_done(stack)
+    _chat(client, turn1, hybridpd_answer_checkpoint=False)
+    full = _chat(client, [*turn1[:1], {"role": "user", "content": "What is a token?"}])
+    _wait_answers(stack, before + 1)
+    text = full.choices[0].message.content or ""
+    assert len(text) > 8
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = _chat(client, [*turn1[:1], {"role": "user", "content": "What is a token?"}], stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    time.sleep(1.0)  # give a (wrongly) sent answer prefill time to show up
+    assert _answers_done(stack) == before + 1  # neither the opted-out nor the cut answer
