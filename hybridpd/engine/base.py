@@ -46,6 +46,7 @@ from typing import NewType, Protocol, runtime_checkable
 
 import torch
 
+from hybridpd.checkpoint_value import ComputeModel
 from hybridpd.hashing import BlockHash, BlockHasher
 
 RequestId = NewType("RequestId", str)
@@ -222,6 +223,10 @@ class Engine(Protocol):
     hasher: BlockHasher
     #: True when store checkpoints enter through ``import_checkpoint`` (vLLM: its connector loads them)
     imports_checkpoints: bool
+    #: prefill FLOPs of a prefix by its length (values state checkpoints:
+    #: ``hybridpd/checkpoint_value.py``); an engine whose exports we do not hold
+    #: may answer ``LINEAR_ONLY``
+    compute_model: ComputeModel
     spec: SpecStats
 
     def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:

@@ -205,9 +205,6 @@ class PrefixIndex:
         raise AssertionError("unreachable")
 
     # -- checkpoint reuse (eviction by value: hybridpd/checkpoint_value.py) --------------------
-    def _hit_key(self, h: BlockHash) -> bytes:
-        return (self.keys.prefix + "hit:").encode() + h
-
     def record_state_hits(self, hits: Sequence[tuple[BlockHash, float]]) -> None:
         """Count one reuse per ``(state hash, unix time)``: a prefill that hit the
         prefix ending at that hash (locally or from the store). ``hpd:<m>:hit:<H>``
@@ -219,7 +216,7 @@ class PrefixIndex:
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             for h, t in hits:
-                key = self._hit_key(h)
+                key = self.keys.hits(h)
                 pipe.hincrby(key, "n", 1)
                 pipe.hset(key, "t", repr(float(t)))
                 pipe.expire(key, self.ttl_s)
@@ -233,7 +230,7 @@ class PrefixIndex:
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             for h in state_hashes:
-                pipe.hmget(self._hit_key(h), "n", "t")
+                pipe.hmget(self.keys.hits(h), "n", "t")
             rows = pipe.execute()
         return [(int(n or 0), float(t or 0.0)) for n, t in rows]
 

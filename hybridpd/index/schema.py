@@ -16,6 +16,10 @@ key                        type    meaning
                                    expires unless heartbeats refresh it
 ``hpd:<m>:instances``      set     instances that ever heartbeated (the lookup
                                    drops members whose ``hb`` key expired)
+``hpd:<m>:hit:<H>``        hash    ``n``: reuses of the state at H (any
+                                   instance, local or store hit), ``t``: the
+                                   last one's unix time (TTL after the last);
+                                   read by the ledgers that value store state
 =========================  ======  ==========================================
 
 Rules: store entries are published only after the store put succeeded, and
@@ -55,6 +59,9 @@ class IndexKeys:
 
     def local_st(self, instance: str) -> str:
         return "%slst:%s" % (self.prefix, instance)
+
+    def hits(self, h: BlockHash) -> bytes:
+        return self.prefix.encode() + b"hit:" + h
 
     def heartbeat(self, instance: str) -> str:
         return "%shb:%s" % (self.prefix, instance)

@@ -24,7 +24,6 @@ import threading
 import time
 from dataclasses import asdict
 
-from hybridpd.checkpoint_value import LINEAR_ONLY
 from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine, EngineRequest, FinishReason, HandoffStats
@@ -113,9 +112,7 @@ class PrefillWorker(WorkerBase):
             hasher=self.engine.hasher,
             state_budget_bytes=int(cfg.store_state_budget_mb * (1 << 20)),
             half_life_s=cfg.checkpoint_half_life_s,
-            # NOTE: not in the Engine protocol; an engine that does not describe its
-            # compute (vLLM exports nothing to our store) is valued by position
-            compute=getattr(self.engine, "compute_model", LINEAR_ONLY),
+            compute=self.engine.compute_model,
         )
         self.loop = EngineLoop(self.engine, after_step=lambda: self.publisher.collect(self.engine))
         self.answers = AnswerCheckpoints(

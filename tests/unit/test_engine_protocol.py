@@ -27,7 +27,7 @@ def test_the_protocol_is_what_the_workers_call() -> None:
     # guards the introspection below against passing vacuously
     assert {"add_request", "step", "pop_handoff", "fetch_handoff", "add_handoff", "pop_cache_events"} <= set(METHODS)
     assert len(METHODS) == 16
-    assert ATTRIBUTES == ["hasher", "imports_checkpoints", "model_id", "spec", "unit"]
+    assert ATTRIBUTES == ["compute_model", "hasher", "imports_checkpoints", "model_id", "spec", "unit"]
 
 
 def _params(fn: Any) -> list[tuple[str, Any, bool]]:

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel
 from hybridpd.engine.base import (
     CacheEvent,
     CacheEventKind,
@@ -65,6 +66,7 @@ class ToyEngine:
     capacity: int = 8  # cached blocks kept (LRU)
     model_id: str = "toy@1"
     imports_checkpoints: bool = False
+    compute_model: ComputeModel = LINEAR_ONLY
     spec: SpecStats = field(default_factory=SpecStats)
     fail_next_step: bool = False
     corrupt_next: bool = False

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridpd.checkpoint_value import LINEAR_ONLY
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -90,6 +91,8 @@ class VllmEngine:
 
     #: vLLM loads prefixes through its own connectors; its KV events feed the index
     imports_checkpoints = False
+    #: our store holds nothing of vLLM's (its connector writes it): positions alone value it
+    compute_model = LINEAR_ONLY
 
     def __init__(
         self,
