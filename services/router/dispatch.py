@@ -54,9 +54,7 @@ class Route:
     hashes: list[BlockHash] | None
     #: how far the prompt's attention blocks are cached anywhere (tokens; the index lookup)
     known: int = 0
-    #: how far this router sent the prompt's prefix before (tokens; SeenPrefixes)
-    seen: int = 0
-    #: the lookup answered: ``known`` and ``seen`` say why the prefix (did not) hit
+    #: the lookup answered: ``known`` (and :meth:`Dispatcher.seen`) say why the prefix (did not) hit
     looked_up: bool = False
 
 
@@ -67,7 +65,6 @@ class _Hits:
     store: int
     index_ok: bool
     known: int = 0
-    seen: int = 0
 
 
 @dataclass(slots=True)
@@ -117,7 +114,7 @@ class Dispatcher:
         #: checkpoints our finished prefills left, until the index reports them (a hint)
         self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
         #: how far we routed each prefix before (the ``evicted`` outcome)
-        self.seen = SeenPrefixes()
+        self.seen_prefixes = SeenPrefixes()
         self._rr_decode = itertools.count()
         self._rr_prefill = itertools.count()
 
@@ -137,7 +134,7 @@ class Dispatcher:
         else:
             decision = choose(len(req.prompt_token_ids), names, hits.local, hits.store, self.queued, hits.index_ok)
         looked_up = hits.index_ok and hits.hashes is not None
-        return Route(decision, hits.hashes, hits.known, hits.seen, looked_up)
+        return Route(decision, hits.hashes, hits.known, looked_up)
 
     def with_junction(self, req: EngineRequest, route: Route) -> EngineRequest:
         """``req`` as its prefill runs it: under the branch-aware policy, with the
@@ -158,23 +155,25 @@ class Dispatcher:
         n = len(req.prompt_token_ids)
         # NOTE: off the event loop: a 164K-token chain is ~0.8 ms of C (it holds the GIL while it
         # reads the list's ints; an int32 buffer would let it run without)
-        hashes, seen = await asyncio.to_thread(self._chain, req)
+        hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
             res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
             self.metrics.live_prefill.set(len(res.instance_hits))
             local = self.recent.merge(hashes, n, res.instance_hits)
-            return _Hits(hashes, local, res.store_hit, True, res.known, seen * self.cfg.prefix_match_unit)
+            return _Hits(hashes, local, res.store_hit, True, res.known)
         except UnavailableError as exc:
             logger.warning("prefix index unavailable, routing on load only: %s", exc)
             return _Hits(hashes, {}, 0, False)
         finally:
             self.metrics.index_lookup.observe(time.perf_counter() - t0)
 
-    def _chain(self, req: EngineRequest) -> tuple[list[BlockHash], int]:
-        """The prompt's chain hashes and how many of its blocks we routed before (a worker thread)."""
-        hashes = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
-        return hashes, self.seen.observe(hashes)
+    async def seen(self, route: Route) -> int:
+        """How far (tokens) we routed ``route``'s prompt before; then remember it. Off
+        the routing path: the orchestrator runs it while the prefill runs."""
+        if route.hashes is None:
+            return 0
+        return await asyncio.to_thread(self.seen_prefixes.observe, route.hashes) * self.cfg.prefix_match_unit
 
     # -- prefill ------------------------------------------------------------------------
     async def prefill(

@@ -147,6 +147,7 @@ class Orchestrator:
         self.metrics.routing.labels(decision.kind).inc()
         self.metrics.queue_time.observe(run.deadline.elapsed())
         preq = self.dispatch.with_junction(req, route)
+        seen = asyncio.ensure_future(self.dispatch.seen(route)) if route.looked_up else None
         pr = await self.dispatch.prefill(preq, decision, run.flight, run.deadline, route.hashes)
         run.last = time.perf_counter()
         run.instance = pr.instance
@@ -159,10 +160,10 @@ class Orchestrator:
         self.metrics.prompt_tokens.inc(n)
         self.metrics.cached_tokens.inc(pr.num_cached_tokens)
         split = None
-        if route.looked_up:
+        if seen is not None:
             cfg = self.cfg
             split = prefix_token_split(
-                n, cfg.prefix_match_unit, cfg.eagle, pr.num_cached_tokens, route.known, route.seen
+                n, cfg.prefix_match_unit, cfg.eagle, pr.num_cached_tokens, route.known, await seen
             )
             for outcome, count in split.items():
                 if count:

@@ -143,7 +143,7 @@ def _dispatcher(**cfg: Any) -> Dispatcher:
 
 
 def _route(hit: int, known: int) -> Route:
-    return Route(RouteDecision("p", hit, 0, hit, "local_hit"), [], known, known, True)
+    return Route(RouteDecision("p", hit, 0, hit, "local_hit"), [], known, True)
 
 
 def test_branch_aware_router_adds_the_junction_past_the_hit() -> None:
