@@ -73,7 +73,7 @@ class Workload:
     turn_tokens: int = 32  # each made-up answer and each new message
     max_tokens: int = 4
     unit: int = 16
-    mamba_block_size: int = 64
+    mamba_block_size: int = 16  # the default config's
     seed: int = 0
 
 

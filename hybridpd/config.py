@@ -49,7 +49,12 @@ class HybridPDConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse cached prefixes (local and global).")
     prefix_match_unit: int = Field(16, ge=1, le=65536, description="Hash block size u, tokens.")
     mamba_block_size: int = Field(
-        64, ge=1, le=1 << 20, description="Mamba/state block size B, tokens; a multiple of u."
+        16,
+        ge=1,
+        le=1 << 20,
+        description="State block size B of the checkpoint protocol's slot columns, tokens; a multiple of u"
+        " (unset: u). The native engine keys state by chain hash, so B = u adds no layout constraint; a larger"
+        " B reproduces vLLM's align-mode column rule.",
     )
     checkpoint_alignment: int | None = Field(
         16, ge=1, le=65536, description="Alignment a of state export offsets; null = the kernel cannot export."
@@ -144,6 +149,14 @@ class HybridPDConfig(BaseModel):
         "127.0.0.1",
         description="Address the MooncakeStore client of each prefill actor advertises; 'auto' = the Ray node IP.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _block_follows_unit(cls, data: Any) -> Any:
+        """``mamba_block_size`` unset: ``prefix_match_unit`` (B = u)."""
+        if isinstance(data, dict) and data.get("mamba_block_size") is None and "prefix_match_unit" in data:
+            data = {**data, "mamba_block_size": data["prefix_match_unit"]}
+        return data
 
     @field_validator("api_keys", mode="before")
     @classmethod

@@ -210,7 +210,10 @@ class Orchestrator:
         if run.finished and run.output is not None:
             self.metrics.completion_tokens.inc(run.output.count)
             if run.answer is not None:
-                self._keep_answer(run, run.answer, run.output)
+                try:
+                    self._keep_answer(run, run.answer, run.output)
+                except Exception:  # an answer checkpoint is an optimisation: never fail the request for it
+                    logger.exception("answer checkpoint of %s not requested", run.req.request_id)
 
     def _keep_answer(self, run: _Run, plan: AnswerPlan, out: OutputProcessor) -> None:
         """Make a normally ended chat answer reusable (``answers.py``): remember its

@@ -36,7 +36,9 @@ class Stack(StackProcess):
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("stack")), ["--eagle", "--max-inflight-requests", "4"])
+    s = Stack(
+        Path(tmp_path_factory.mktemp("stack")), ["--eagle", "--max-inflight-requests", "4", "--mamba-block-size", "64"]
+    )
     s.start()
     try:
         yield s

@@ -194,3 +194,23 @@ def test_background_is_not_admitted_while_another_request_waits() -> None:
     assert [q.rid for q in s.waiting] == ["waiting"] and [q.rid for q in s.background] == ["bg"]
     s.finish(s.running[0])
     assert _step(s) == {"waiting": 40}  # the freed seat goes to the foreground request, though bg came first
+
+
+def test_a_prefill_actor_without_answers_does_not_fail_the_request() -> None:
+    """E.g. an older prefill actor shared by routers of a newer version."""
+    orch = Orchestrator(
+        load_config(env={}, overrides={"max_model_len": 256}),
+        TOK,
+        "m",
+        None,
+        {"prefill-0": FakePrefill("prefill-0")},
+        [FakeDecode()],
+        RouterMetrics(),
+    )
+    req = EngineRequest(RequestId("r1"), PROMPT, SamplingParams(max_tokens=8))
+
+    async def go() -> list[Any]:
+        return [ev async for ev in orch.stream(req, "chat", None, (), AnswerPlan(None, "x"))]
+
+    events = asyncio.run(go())
+    assert events[-1].finished and events[-1].usage is not None

@@ -13,7 +13,7 @@ from hybridpd.errors import ConfigError
 
 def test_defaults_validate() -> None:
     cfg = load_config(env={})
-    assert cfg.prefix_match_unit == 16 and cfg.mamba_block_size == 64 and cfg.checkpoint_alignment == 16
+    assert cfg.prefix_match_unit == 16 and cfg.mamba_block_size == 16 and cfg.checkpoint_alignment == 16
     assert cfg.http_port == 8000 and cfg.grpc_port == 50051
     assert cfg.num_prefill == 2 and cfg.num_decode == 1
 
