@@ -269,6 +269,55 @@ def bench_shared_prefix(
     click.echo("wrote %s (+ .png, .md)" % json_path)
 
 
+@bench.command("multi-turn")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Where to write [default: bench/results/multi_turn.json; with --quick, multi_turn_quick.json]",
+)
+@click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+@click.option(
+    "--variant",
+    "variants",
+    multiple=True,
+    type=click.Choice(["answers-cached", "prompt-only", "nocache", "vllm-direct"]),
+    help="Run only these variants and merge them into the same workload's results already in --json"
+    " (vllm-direct needs the vLLM environment: make bootstrap-vllm).",
+)
+@click.option(
+    "--workload",
+    "workload",
+    multiple=True,
+    metavar="FIELD=INT",
+    help="Override the workload (bench/multi_turn.py Workload: users, rounds, system_tokens, message_tokens_min,"
+    " message_tokens_max, answer_tokens, think_ms, unit, mamba_block_size, seed), e.g. --workload answer_tokens=256.",
+)
+def bench_multi_turn(json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...]) -> None:
+    """Multi-round chat (LMCache's multi-round QA shape): recomputed prompt tokens against the
+    ideal per round, with and without answer checkpoints."""
+    from pathlib import Path
+
+    from bench import multi_turn, multi_turn_run
+
+    if json_path is None:  # a --quick run never overwrites the full run's results
+        json_path = "bench/results/multi_turn_quick.json" if quick else "bench/results/multi_turn.json"
+    fields = multi_turn.Workload.__dataclass_fields__
+    overrides = {}
+    for item in workload:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields or not value.isdigit():
+            raise click.BadParameter("expected FIELD=INT with FIELD one of %s, got %r" % (", ".join(fields), item))
+        overrides[key] = int(value)
+    out = multi_turn_run.run(Path(json_path), quick, list(variants) or None, overrides)
+    click.echo(Path(json_path).with_suffix(".md").read_text())
+    click.echo("checks: %s" % out["checks"])
+    for name, note in out["notes"].items():
+        click.echo("%s: %s" % (name, note))
+    click.echo("wrote %s (+ .png, .md)" % json_path)
+
+
 @bench.command("router")
 @click.option(
     "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/router.json", show_default=True

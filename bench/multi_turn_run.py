@@ -1,0 +1,417 @@
+"""Runs the multi-turn workload (``bench.multi_turn``: the plan and the
+arithmetic) against each variant and writes JSON + PNG + markdown
+(``hybridpd bench multi-turn``).
+
+Requests go one at a time, streaming (TTFT: the first chunk with a choice);
+each user's next request waits until ``think_ms`` after its previous answer
+ended. On our stack the router's answer counters (``/metrics``) and the
+prefill actors' answer-checkpoint counters (``/v1/hybridpd/stats``) are read
+around every request, so each request's deltas are its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.multi_turn import QUICK, VARIANTS, Plan, TextEncoder, Workload, build_plan, checks, lcp, summarize
+
+Messages = list[tuple[str, str]]
+ChatIds = Callable[[Messages], list[int]]
+
+#: sent before the plan, not recorded (first-request costs out of the first TTFT):
+#: no system message, so it shares less than a unit with the plan
+WARMUP: Messages = [("user", "Return the warm-up value.")]
+
+_COUNTER = re.compile(r'^(hybridpd_answer_\w+?)_total(?:\{outcome="(\w+)"\})? (\S+)$')
+#: the prefill actors' answer-checkpoint counters (``services/prefill/answers.py``)
+PREFILL_COUNTERS = (
+    "answer_checkpoints",
+    "answer_checkpoint_tokens",
+    "answer_checkpoint_bytes",
+    "answer_checkpoints_dropped",
+    "answer_checkpoints_skipped",
+    "answer_checkpoints_failed",
+    "checkpoint_exports",
+    "checkpoint_export_bytes",
+    "checkpoint_state_bytes",
+    "checkpoint_export_failures",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoders:
+    """A server's tokenization: chat messages -> prompt ids, text -> ids; ``stop_ids``
+    (stripped from an answer's end before comparing it with its re-tokenized text,
+    as the router does) and ``special_ids`` (ids that decode to no text; None: unknown)."""
+
+    chat_ids: ChatIds
+    text_ids: TextEncoder
+    stop_ids: tuple[int, ...] = ()
+    special_ids: frozenset[int] | None = None
+    #: messages ending in (assistant answer, user message) -> the prompt's tokens after
+    #: the answer's text (template + message + generation prompt), tokenized alone
+    suffix_tokens: Callable[[Messages], int] | None = None
+
+
+def native_encoders() -> Encoders:
+    """The router's tokenization (the bundled model's assets)."""
+    import hybridpd
+    from hybridpd.tokenizer import ChatMessage, TextTokenizer
+
+    tok = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+    special = frozenset(i for i, t in tok.tok.get_added_tokens_decoder().items() if t.special)
+
+    def suffix_tokens(msgs: Messages) -> int:
+        # the template ends a turn with <|im_end|>, a special token: the text after the
+        # answer tokenizes the same alone as in the whole prompt
+        text = tok.chat_prompt([ChatMessage(r, c) for r, c in msgs]).text
+        answer = msgs[-2][1]
+        return len(tok.encode(text[text.rfind(answer) + len(answer) :]))
+
+    return Encoders(
+        lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs]),
+        tok.encode,
+        tuple(tok.stop_token_ids),
+        special,
+        suffix_tokens,
+    )
+
+
+def _send(client: httpx.Client, url: str, msgs: Messages, w: Workload) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": "tiny",
+        "messages": [{"role": r, "content": c} for r, c in msgs],
+        "max_tokens": w.answer_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
+    t0 = time.perf_counter()
+    ttft = usage = None
+    text: list[str] = []
+    ids: list[int] | None = []
+    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError("chat: %s" % data["error"])
+            for ch in data.get("choices") or ():
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append((ch.get("delta") or {}).get("content") or "")
+                if ids is not None and "token_ids" in ch and ch["token_ids"] is not None:
+                    ids.extend(ch["token_ids"])
+            usage = data.get("usage") or usage
+    assert usage is not None and ttft is not None, "stream without usage or tokens"
+    if ids is not None and len(ids) != usage["completion_tokens"]:
+        ids = None  # the server does not return token ids
+    return {"usage": usage, "ttft_ms": ttft * 1e3, "text": "".join(text), "ids": ids}
+
+
+def _router_counters(client: httpx.Client, url: str) -> dict[str, float]:
+    """``hybridpd_answer_*_total`` from the router's /metrics, keyed ``name[:outcome]``."""
+    out: dict[str, float] = {}
+    for line in client.get(url + "/metrics", timeout=30).text.splitlines():
+        m = _COUNTER.match(line)
+        if m:
+            out[m.group(1) + (":" + m.group(2) if m.group(2) else "")] = float(m.group(3))
+    return out
+
+
+def _prefill_counters(client: httpx.Client, url: str) -> dict[str, int]:
+    """The prefill actors' answer-checkpoint counters, summed."""
+    stats = client.get(url + "/v1/hybridpd/stats", timeout=60).json()
+    out = dict.fromkeys(PREFILL_COUNTERS, 0)
+    for name, s in stats.items():
+        if name.startswith("prefill"):
+            for k in PREFILL_COUNTERS:
+                out[k] += int(s.get(k, 0))
+    return out
+
+
+def _settled(client: httpx.Client, url: str, requested: float, timeout_s: float = 30.0) -> dict[str, int]:
+    """The prefill counters once every requested answer checkpoint is done (or dropped,
+    skipped, failed), at most ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        c = _prefill_counters(client, url)
+        if _pending(requested, c) <= 0 or time.monotonic() > deadline:
+            return c
+        time.sleep(0.2)
+
+
+def _pending(requested: float, c: dict[str, int]) -> int:
+    ended = sum(c[k] for k in ("answer_checkpoints", "answer_checkpoints_dropped", "answer_checkpoints_skipped"))
+    return int(requested) - ended - c["answer_checkpoints_failed"]
+
+
+def _delta(after: dict[str, float], before: dict[str, float], key: str) -> int:
+    return int(after.get(key, 0) - before.get(key, 0))
+
+
+def run_conversations(
+    url: str,
+    plan: Plan,
+    w: Workload,
+    enc: Encoders,
+    native: bool,
+) -> dict[str, Any]:
+    """Send the plan's conversations to ``url``, round by round, one request at a
+    time; per request its usage, TTFT, whether the answer's text re-tokenizes to
+    other ids than were generated (``enc``; trailing stop ids stripped; and again
+    with the special ids left out of the generated ones: they decode to no text),
+    and on our stack (``native``) the router's answer counters' deltas and the
+    answer checkpoints still pending when it was sent."""
+    from tqdm import tqdm
+
+    records: list[dict[str, Any]] = []
+    history: list[Messages] = [[("system", plan.system)] for _ in range(w.users)]
+    last_end = [0.0] * w.users
+    round1: list[list[int]] = []
+    with httpx.Client() as client:
+        _send(client, url, WARMUP, w)
+        rc = _router_counters(client, url) if native else {}
+        start = _settled(client, url, rc.get("hybridpd_answer_checkpoints_requested", 0)) if native else {}
+        bar = tqdm(total=w.users * w.rounds, desc="requests", unit="req")
+        for rnd in range(1, w.rounds + 1):
+            for user in range(w.users):
+                msgs = [*history[user], ("user", plan.messages[user][rnd - 1])]
+                time.sleep(max(0.0, last_end[user] + w.think_ms / 1e3 - time.monotonic()))
+                before = _router_counters(client, url) if native else {}
+                pc = _prefill_counters(client, url) if native else None
+                res = _send(client, url, msgs, w)
+                last_end[user] = time.monotonic()
+                after = _router_counters(client, url) if native else {}
+                u = res["usage"]
+                rec: dict[str, Any] = {
+                    "user": user + 1,
+                    "round": rnd,
+                    "prompt_tokens": u["prompt_tokens"],
+                    "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+                    "completion_tokens": u["completion_tokens"],
+                    "ttft_ms": res["ttft_ms"],
+                    "prefix_tokens": u.get("hybridpd_prefix_tokens"),
+                }
+                if rnd == 1:
+                    ids = enc.chat_ids(msgs)
+                    rec["encoded_prompt_tokens"] = len(ids)
+                    rec["shared_tokens"] = max((lcp(ids, q) for q in round1), default=0)
+                    round1.append(ids)
+                elif enc.suffix_tokens is not None:
+                    rec["suffix_tokens"] = enc.suffix_tokens(msgs)
+                if res["ids"] is not None:
+                    gen = list(res["ids"])
+                    while gen and gen[-1] in enc.stop_ids:
+                        gen.pop()
+                    again = enc.text_ids(res["text"])
+                    rec["retokenized_differs"] = again != gen
+                    rec["retokenized_tokens"] = len(again)
+                    rec["retokenized_common_prefix"] = lcp(again, gen)
+                    if enc.special_ids is not None:
+                        rec["special_ids_in_answer"] = sum(i in enc.special_ids for i in gen)
+                        rec["retokenized_differs_nonspecial"] = again != [i for i in gen if i not in enc.special_ids]
+                    rec["answer_ids"] = gen
+                rec["answer_text"] = res["text"]
+                if native:
+                    rec["metric_answer_hit"] = _delta(after, before, "hybridpd_answer_tokens:hit")
+                    rec["metric_answer_recomputed"] = _delta(after, before, "hybridpd_answer_tokens:recomputed")
+                    rec["metric_retokenized_same"] = _delta(after, before, "hybridpd_answer_retokenized:same")
+                    rec["metric_retokenized_differs"] = _delta(after, before, "hybridpd_answer_retokenized:differs")
+                    assert pc is not None
+                    rec["answer_checkpoints_pending_at_send"] = _pending(
+                        before.get("hybridpd_answer_checkpoints_requested", 0), pc
+                    )
+                records.append(rec)
+                history[user] = [*msgs, ("assistant", res["text"])]
+                bar.update()
+        bar.close()
+        out = summarize(records)
+        if native:
+            rc2 = _router_counters(client, url)
+            requested = rc2.get("hybridpd_answer_checkpoints_requested", 0)
+            end = _settled(client, url, requested)
+            out["answer_checkpoints_requested"] = int(requested - rc.get("hybridpd_answer_checkpoints_requested", 0))
+            out["prefill_answer_counters"] = {k: end[k] - start[k] for k in PREFILL_COUNTERS}
+    out["prompt_tokens_match_round1"] = all(
+        r["encoded_prompt_tokens"] == r["prompt_tokens"] for r in records if r["round"] == 1
+    )
+    return out
+
+
+def variants(w: Workload) -> dict[str, list[str]]:
+    """``hybridpd up`` flags per variant (vllm-direct: see ``_run_vllm``)."""
+    common = ["--prefix-match-unit", str(w.unit), "--mamba-block-size", str(w.mamba_block_size), "--no-eagle"]
+    return {
+        "answers-cached": [*common, "--answer-checkpoints"],
+        "prompt-only": [*common, "--no-answer-checkpoints"],
+        "nocache": [*common, "--no-enable-prefix-caching"],
+        "vllm-direct": [],
+    }
+
+
+def _run_vllm(plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
+    from bench.vllm_direct import VllmServer, vllm_venv
+
+    venv = vllm_venv()
+    if venv is None:
+        raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
+    with VllmServer(venv, tmp, w.unit, 8192) as srv:
+
+        def tokenize(body: dict[str, Any]) -> list[int]:
+            resp = httpx.post(srv.http + "/tokenize", json={"model": "tiny", **body}, timeout=60)
+            resp.raise_for_status()
+            return list(resp.json()["tokens"])
+
+        def chat_ids(msgs: Messages) -> list[int]:  # vLLM's own chat template and tokenizer
+            m = [{"role": r, "content": c} for r, c in msgs]
+            return tokenize({"messages": m, "add_generation_prompt": True})
+
+        def text_ids(text: str) -> list[int]:
+            return tokenize({"prompt": text, "add_special_tokens": False})
+
+        out = run_conversations(srv.http, plan, w, Encoders(chat_ids, text_ids), native=False)
+    out["server"] = "vllm serve, prefix caching at unit %d, mamba_cache_mode=align (bench/vllm_direct.py)" % w.unit
+    return out
+
+
+def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
+    """Variants already in ``json_path`` for this same workload (``--variant`` reruns merge into them)."""
+    try:
+        old = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("workload") != asdict(w) or old.get("quick") != quick:
+        return {}
+    return dict(old.get("variants", {}))
+
+
+def run(
+    json_path: Path, quick: bool, only: list[str] | None = None, overrides: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """Run the variants (all, or ``only`` these, merged into the same workload's
+    earlier results in ``json_path``) and write JSON + PNG + markdown.
+    ``overrides`` replace workload fields (``--workload``)."""
+    from launch.stack_process import StackProcess
+
+    w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
+    enc = native_encoders()
+    plan = build_plan(w, enc.text_ids)
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    results: dict[str, Any] = {}
+    notes: dict[str, str] = {}
+    load_before = os.getloadavg()[0]
+    for name, args in variants(w).items():
+        if only and name not in only:
+            continue
+        t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
+            try:
+                if name == "vllm-direct":
+                    results[name] = _run_vllm(plan, w, Path(tmp))
+                else:
+                    with StackProcess(Path(tmp), args) as st:
+                        results[name] = run_conversations(st.http, plan, w, enc, native=True)
+            except FileNotFoundError as exc:
+                notes[name] = "left out: %s" % exc
+                continue
+        results[name]["wall_s"] = time.monotonic() - t0
+        results[name]["run_started"] = started
+    if only:
+        results = {**_previous(json_path, w, quick), **results}
+    results = {k: results[k] for k in VARIANTS if k in results}
+    out = {
+        "workload": asdict(w),
+        "quick": quick,
+        "plan": {"system": plan.system, "messages": plan.messages},
+        "variants": results,
+        "checks": checks(results, w.unit)
+        | {"answer_tokens": w.answer_tokens, "answers_long_enough": w.answer_tokens >= 128},
+        "notes": notes,
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
+    }
+    _write(json_path, out)
+    return out
+
+
+def _fmt(x: float | None, spec: str = "%.3f") -> str:
+    return "-" if x is None else spec % x
+
+
+def _write(path: Path, out: dict[str, Any]) -> None:
+    from bench.report import plot_grouped, write_json
+
+    write_json(path, out)
+    v, w = out["variants"], out["workload"]
+    rounds = ["round %d" % (k + 1) for k in range(w["rounds"])]
+
+    def by_round(key: str) -> dict[str, dict[str, float]]:
+        return {k: {rounds[y["round"] - 1]: y[key] for y in x["per_round"]} for k, x in v.items()}
+
+    recomputed = by_round("recomputed_tokens_per_request")
+    if "answers-cached" in v:
+        recomputed["ideal"] = by_round("ideal_tokens_per_request")["answers-cached"]
+    plot_grouped(
+        path.with_suffix(".png"),
+        {"recomputed prompt tokens / request": recomputed, "TTFT p50 (ms)": by_round("ttft_p50_ms")},
+        "multi-turn: %d users x %d rounds, answers of %d tokens, u = %d%s"
+        % (w["users"], w["rounds"], w["answer_tokens"], w["unit"], " (--quick)" if out["quick"] else ""),
+    )
+    rows = [
+        "| variant | recomputed / req | ideal / req | (text) | max over ideal | answer tokens hit | (router) "
+        "| retokenized differs (router) | (client) | (no special ids) | TTFT p50 ms | TTFT p90 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for k, x in v.items():
+        rows.append(
+            "| %s | %.1f | %.1f | %s | %d | %s | %s | %s | %s | %s | %.1f | %.1f |"
+            % (
+                k,
+                x["recomputed_tokens_per_request"],
+                x["ideal_tokens_per_request"],
+                _fmt(x["suffix_tokens_per_request"], "%.1f"),
+                x["recomputed_minus_ideal_max"],
+                _fmt(x["answer_tokens_hit_ratio"]),
+                _fmt(x["answer_tokens_hit_ratio_metric"]),
+                _fmt(x["retokenized_differs_ratio"]),
+                _fmt(x["retokenized_differs_ratio_client"]),
+                _fmt(x["retokenized_differs_ratio_nonspecial"]),
+                x["ttft_p50_ms"],
+                x["ttft_p90_ms"],
+            )
+        )
+    rows += [
+        "",
+        "| variant | round | recomputed / req | ideal / req | answer tokens hit | TTFT p50 ms | TTFT p90 ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for k, x in v.items():
+        for y in x["per_round"]:
+            rows.append(
+                "| %s | %d | %.1f | %.1f | %s | %.1f | %.1f |"
+                % (
+                    k,
+                    y["round"],
+                    y["recomputed_tokens_per_request"],
+                    y["ideal_tokens_per_request"],
+                    _fmt(y["answer_tokens_hit_ratio"]),
+                    y["ttft_p50_ms"],
+                    y["ttft_p90_ms"],
+                )
+            )
+    path.with_suffix(".md").write_text("\n".join(rows) + "\n")

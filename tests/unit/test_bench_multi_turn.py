@@ -1,0 +1,170 @@
+"""The multi-turn benchmark's plan and arithmetic (bench/multi_turn.py), without a stack."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from bench.multi_turn import QUICK, Workload, build_plan, checks, per_request, shared_round1, summarize
+
+
+def rec(user: int, rnd: int, prompt: int, cached: int, completion: int = 128, ttft: float = 10.0, **kw: Any) -> dict:
+    return {
+        "user": user,
+        "round": rnd,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "completion_tokens": completion,
+        "ttft_ms": ttft,
+        **kw,
+    }
+
+
+#: two users, three rounds, in sending order (round-major); 128-token answers
+RECORDS = [
+    rec(1, 1, 278, 0, shared_tokens=0, ttft=50.0),
+    rec(2, 1, 255, 208, shared_tokens=213, ttft=20.0),
+    # user 1 round 2: grew by 54 past prompt + answer (278 + 128 = 406); cached 400 = 122 answer tokens
+    rec(1, 2, 460, 400, ttft=30.0),
+    # user 2 round 2: 255 + 128 = 383 before; 438 - 383 = 55 new; cached 368 = 113 of the answer
+    rec(2, 2, 438, 368, ttft=40.0),
+    # user 1 round 3: 460 + 128 = 588; 642 - 588 = 54; cached only the previous prompt's 448 (no answer)
+    rec(1, 3, 642, 448, ttft=60.0),
+    # user 2 round 3: cached less than the previous prompt (clamped to 0 answer tokens)
+    rec(2, 3, 619, 432, ttft=70.0),
+]
+
+
+def test_per_request_exact() -> None:
+    rs = per_request(RECORDS)
+    assert [r["recomputed_tokens"] for r in rs] == [278, 47, 60, 70, 194, 187]
+    # round 1: prompt - shared system prompt part; rounds >= 2: prompt - (previous prompt + completion)
+    assert [r["ideal_tokens"] for r in rs] == [278, 42, 54, 55, 54, 53]
+    assert [r["answer_tokens"] for r in rs] == [0, 0, 128, 128, 128, 128]
+    # cached past the previous prompt, clamped to [0, previous completion]
+    assert [r["answer_hit_tokens"] for r in rs] == [None, None, 122, 113, 0, 0]
+    # past the whole answer (cached reaches into the new message): at most the answer
+    more = per_request([rec(1, 1, 100, 0, completion=64), rec(1, 2, 300, 240)])
+    assert more[1]["answer_hit_tokens"] == 64 and more[1]["ideal_tokens"] == 300 - 164
+
+
+def test_summarize_overall_counts_rounds_two_on() -> None:
+    metric = {"metric_answer_hit": 0, "metric_answer_recomputed": 0}
+    retok = {"metric_retokenized_same": 0, "metric_retokenized_differs": 0}
+    rows = [dict(r) for r in RECORDS]
+    rows[2] |= {"metric_answer_hit": 122, "metric_answer_recomputed": 6, "metric_retokenized_differs": 1}
+    rows[3] |= {"metric_answer_hit": 113, "metric_answer_recomputed": 15, "metric_retokenized_same": 1}
+    rows[4] |= {"metric_answer_hit": 0, "metric_answer_recomputed": 128, "metric_retokenized_differs": 1}
+    rows[5] |= {"metric_answer_hit": 0, "metric_answer_recomputed": 128, "metric_retokenized_same": 1}
+    for i, r in enumerate(rows):
+        rows[i] = metric | retok | r
+        rows[i]["retokenized_differs"] = i % 2 == 0
+        if r["round"] >= 2:
+            rows[i]["suffix_tokens"] = r["prompt_tokens"] - 500  # made up: the sum is what counts
+    out = summarize(rows)
+    assert out["num_requests"] == 4
+    assert out["suffix_tokens_per_request"] == (460 + 438 + 642 + 619 - 4 * 500) / 4
+    assert out["recomputed_tokens_per_request"] == (60 + 70 + 194 + 187) / 4
+    assert out["ideal_tokens_per_request"] == (54 + 55 + 54 + 53) / 4
+    assert out["recomputed_minus_ideal_max"] == 194 - 54 and out["recomputed_minus_ideal_min"] == 6
+    assert out["answer_hit_tokens"] == 235
+    assert out["answer_tokens_hit_ratio"] == 235 / 512
+    assert out["answer_tokens_hit_ratio_metric"] == 235 / 512
+    assert out["answer_tokens_metric"] == {"hit": 235, "recomputed": 277}
+    assert out["answers_recalled"] == 4 and out["retokenized_differs_ratio"] == 0.5
+    assert out["retokenized_differs_ratio_client"] == 0.5  # rows 2 and 4 (even indices) of rounds >= 2
+    assert out["retokenized_differs_ratio_nonspecial"] is None
+    assert out["ttft_p50_ms"] == 50.0 and out["ttft_p90_ms"] == 70.0
+    r1, r2, r3 = out["per_round"]
+    assert (r1["round"], r1["num_requests"], r1["ideal_tokens_per_request"]) == (1, 2, (278 + 42) / 2)
+    assert r1["recomputed_tokens_per_request"] == (278 + 47) / 2
+    assert r1["answer_tokens_hit_ratio"] is None  # no previous answer in round 1
+    assert r1["ttft_p50_ms"] == 35.0  # median of two
+    assert r2["answer_tokens_hit_ratio"] == 235 / 256 and r2["retokenized_differs_ratio"] == 0.5
+    assert r3["answer_tokens_hit_ratio"] == 0.0 and r3["recomputed_tokens_per_request"] == (194 + 187) / 2
+    assert len(out["requests"]) == 6
+
+
+def test_summarize_without_router_counters() -> None:
+    """vllm-direct, prompt-only: no router counters, the usage arithmetic only."""
+    out = summarize(RECORDS)
+    assert out["suffix_tokens_per_request"] is None
+    assert out["answer_tokens_hit_ratio_metric"] is None and out["answer_tokens_metric"] is None
+    assert out["retokenized_differs_ratio"] is None and out["retokenized_differs_ratio_client"] is None
+    assert out["answer_tokens_hit_ratio"] == 235 / 512
+    # a record with a missing counter makes the sum unknown, not smaller
+    rows = [dict(r, metric_answer_hit=1, metric_answer_recomputed=1) for r in RECORDS]
+    del rows[3]["metric_answer_hit"]
+    assert summarize(rows)["answer_tokens_hit_ratio_metric"] is None
+
+
+def _variant(records: list[dict], started: str = "t0", **extra: Any) -> dict:
+    return {**summarize(records), "run_started": started, **extra}
+
+
+def test_checks_done_when() -> None:
+    u = 16
+    cached = [rec(1, 1, 278, 0), rec(1, 2, 460, 400), rec(1, 3, 642, 576)]  # 60 <= 54 + 16; 66 <= 54 + 16
+    prompt_only = [rec(1, 1, 278, 0), rec(1, 2, 460, 272), rec(1, 3, 642, 448)]  # 188 >= 54 + 128; 194 >= 182
+    v = {"answers-cached": _variant(cached), "prompt-only": _variant(prompt_only)}
+    out = checks(v, u)
+    assert out["answers_cached_ok"] and out["answers_cached_over_bound"] == []
+    assert out["prompt_only_recomputes_answer"] and out["same_run"] and out["done_when"]
+    # one unit plus one token over the ideal: fails, named
+    over = [rec(1, 1, 278, 0), rec(1, 2, 460, 389), rec(1, 3, 642, 576)]  # 71 > 54 + 16
+    out = checks({**v, "answers-cached": _variant(over)}, u)
+    assert not out["answers_cached_ok"] and out["answers_cached_over_bound"] == ["user1/round2"]
+    assert not out["done_when"]
+    # prompt-only hitting part of the answer is not recomputing it
+    partial = [rec(1, 1, 278, 0), rec(1, 2, 460, 288), rec(1, 3, 642, 448)]  # 172 < 182
+    out = checks({**v, "prompt-only": _variant(partial)}, u)
+    assert out["prompt_only_not_recomputing_answer"] == ["user1/round2"] and not out["done_when"]
+    # from different runs (a --variant rerun merged into older results)
+    out = checks({**v, "prompt-only": _variant(prompt_only, started="t1")}, u)
+    assert not out["same_run"] and not out["done_when"]
+    # answers-cached against nocache of the same run: the same greedy answers
+    texts = [dict(r, answer_text="a%d" % i) for i, r in enumerate(cached)]
+    nc = _variant([dict(r, cached_tokens=0) for r in texts])
+    assert checks({**v, "answers-cached": _variant(texts), "nocache": nc}, u)["answers_cached_outputs_equal_nocache"]
+    nc["requests"][2]["answer_text"] = "other"
+    assert not checks({**v, "answers-cached": _variant(texts), "nocache": nc}, u)[
+        "answers_cached_outputs_equal_nocache"
+    ]
+    # the router's hit count against usage's
+    m = _variant(cached, answer_tokens_metric={"hit": 245, "recomputed": 11}, answer_hit_tokens=245)
+    assert checks({"answers-cached": m}, u)["answers_cached_metric_hit_equals_usage"]
+    assert "done_when" not in checks({"answers-cached": m}, u)
+
+
+def test_shared_round1() -> None:
+    assert shared_round1([[1, 2, 3, 4], [1, 2, 3, 5], [1, 9], [1, 2, 3, 5, 6]]) == [0, 3, 1, 4]
+
+
+def toy_encode(text: str) -> list[int]:
+    return [sum(map(ord, w)) % 2000 for w in text.split()]
+
+
+def test_plan_shape_sizes_and_seed() -> None:
+    w = Workload()
+    plan = build_plan(w, toy_encode)
+    assert len(plan.messages) == w.users and all(len(m) == w.rounds for m in plan.messages)
+    assert len(toy_encode(plan.system)) == w.system_tokens  # one toy token per word
+    sizes = [len(toy_encode(m)) for ms in plan.messages for m in ms]
+    assert all(w.message_tokens_min <= n <= w.message_tokens_max for n in sizes)
+    assert len(set(m for ms in plan.messages for m in ms)) == w.users * w.rounds
+    assert build_plan(w, toy_encode) == plan
+    assert build_plan(Workload(seed=1), toy_encode) != plan
+    q = build_plan(QUICK, toy_encode)
+    assert (len(q.messages), len(q.messages[0]), QUICK.answer_tokens) == (2, 3, 128)
+
+
+@pytest.mark.parametrize("bad", ["bogus=3", "users=x", "users"])
+def test_cli_rejects_bad_workload(bad: str) -> None:
+    from launch.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "multi-turn", "--quick", "--workload", bad])
+    assert res.exit_code == 2 and "FIELD=INT" in res.output
+    res = CliRunner().invoke(cli, ["bench", "multi-turn", "--help"])
+    assert res.exit_code == 0 and "answers-cached" in res.output
