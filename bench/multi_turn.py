@@ -58,7 +58,7 @@ class Workload:
     answer_tokens: int = 128
     think_ms: int = 1000
     unit: int = 16
-    mamba_block_size: int = 64
+    mamba_block_size: int = 16  # the default config's (B = u)
     seed: int = 0
 
 

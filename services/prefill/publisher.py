@@ -109,7 +109,7 @@ class CachePublisher:
         self._applied = 0  # batches the index took (or that were dropped)
         self._exports: queue.Queue[tuple[KVExport, StateCheckpoint] | _Hit] = queue.Queue()
         #: state keys of answer checkpoints not exported yet (their bytes are counted apart)
-        self._answer_keys: dict[BlockHash, None] = {}
+        self._answer_keys: dict[BlockHash, bool] = {}
         self._stop = threading.Event()
         self._cleared = index is None
         self._healthy = True  # the last index write succeeded (flush waits only then)
@@ -241,7 +241,7 @@ class CachePublisher:
             if key is not None:  # held from the put on, published or not
                 with self._ledger_lock:
                     self.ledger.add(key, res.state_bytes, st.meta.position, self.clock())
-            answer = key is not None and self._answer_keys.pop(key, None) is not None
+            answer = key is not None and self._answer_keys.pop(key, False)
             with self.stats_lock:
                 if answer:
                     self.counters.answer_checkpoint_bytes += res.bytes_written
@@ -259,7 +259,7 @@ class CachePublisher:
     def tag_answer(self, key: BlockHash) -> None:
         """The export of state ``key`` will be an answer checkpoint's: its bytes count
         as ``answer_checkpoint_bytes`` (bounded: the oldest tags go first)."""
-        self._answer_keys[key] = None
+        self._answer_keys[key] = True
         while len(self._answer_keys) > 1024:
             self._answer_keys.pop(next(iter(self._answer_keys)))
 

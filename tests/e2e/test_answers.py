@@ -28,8 +28,8 @@ def client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0)
 
 
-def _answers_done(stack: Stack) -> int:
-    return sum(int(s.get("answer_checkpoints", 0)) for name, s in stack.stats().items() if name.startswith("prefill"))
+def _answers_done(stack: Stack, counter: str = "answer_checkpoints") -> int:
+    return sum(int(s.get(counter, 0)) for name, s in stack.stats().items() if name.startswith("prefill"))
 
 
 def _wait_answers(stack: Stack, target: int, timeout_s: float = 30.0) -> None:
@@ -79,6 +79,10 @@ def test_next_turn_hits_the_answer_and_equals_a_no_cache_run(
     assert want_hit > checkpoint_position(len(p1.ids), U, True)  # past the prompt: the answer is hit
     assert second.usage.prompt_tokens_details.cached_tokens == want_hit
     assert second.choices[0].token_ids == run(ids2, 40)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30.0
+    while _answers_done(stack, "answer_checkpoint_bytes") == 0:  # the store put is asynchronous
+        assert time.monotonic() < deadline, "no answer checkpoint bytes counted"
+        time.sleep(0.2)
 
 
 def test_answer_checkpoint_off_per_request_and_after_a_stop_string(client: OpenAI, stack: Stack) -> None:
