@@ -147,11 +147,25 @@ class IncrementalDetokenizer:
         self._prefix = 0  # window start: the previous delta's first id
         self._read = 0  # ids before this are in ``emitted``
 
-    def push(self, new_ids: Sequence[int]) -> str:
+    @property
+    def unread(self) -> list[int]:
+        """The ids whose text is not in ``emitted`` (an incomplete character, or
+        ids that decode to nothing, e.g. special tokens, at the end)."""
+        return self.ids[self._read :]
+
+    def push(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """The text ``new_ids`` add; ``final`` (no ids follow): an incomplete
+        character at the end is dropped, and the complete text before it sent."""
         self.ids.extend(new_ids)
         before = self.tokenizer.decode(self.ids[self._prefix : self._read])
         text = self.tokenizer.decode(self.ids[self._prefix :])
         if text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before):
+            if final and text.endswith("\ufffd"):
+                text = text.rstrip("\ufffd")
+                if len(text) > len(before) and text.startswith(before):
+                    self.emitted += text[len(before) :]  # the ids stay unread: a character is cut
+                    return text[len(before) :]
+                return ""
             if text.endswith("\ufffd") or text == before:
                 return ""  # an incomplete character (or nothing new): wait for more ids
             return self._resync()

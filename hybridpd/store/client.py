@@ -97,8 +97,13 @@ class CheckpointStore:
     def exists(self, keys: Sequence[str]) -> list[bool]:
         return [r == 1 for r in self.store.batch_is_exist(list(keys))]
 
-    def remove(self, keys: Sequence[str]) -> None:
-        self.store.batch_remove(list(keys), True)
+    def remove(self, keys: Sequence[str]) -> list[str]:
+        """Remove ``keys``; returns those still in the store afterwards (a removal that
+        failed for another reason than the object being gone already)."""
+        keys = list(keys)
+        codes = self.store.batch_remove(keys, True)
+        failed = [k for k, c in zip(keys, codes, strict=True) if c != 0]
+        return [k for k, there in zip(failed, self.exists(failed), strict=True) if there] if failed else []
 
     # -- checkpoints -----------------------------------------------------------------
     def put_checkpoint(

@@ -97,6 +97,11 @@ class AnswerCheckpoints:
                 self.count("answer_checkpoints_failed", 1)
 
     def _one(self, req: EngineRequest, t0: float) -> None:
+        with self.loop.lock:
+            hit = self.engine.local_hit(list(req.prompt_token_ids), req.cache_salt)
+        if hit == 0:  # the prompt's checkpoint is gone here: recomputing it all is not worth it
+            self.count("answer_checkpoints_skipped", 1)
+            return
         self.tag(req)
         q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=False))
         while True:

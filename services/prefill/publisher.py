@@ -110,6 +110,7 @@ class CachePublisher:
         self._exports: queue.Queue[tuple[KVExport, StateCheckpoint] | _Hit] = queue.Queue()
         #: state keys of answer checkpoints not exported yet (their bytes are counted apart)
         self._answer_keys: dict[BlockHash, bool] = {}
+        self._tag_lock = threading.Lock()
         self._stop = threading.Event()
         self._cleared = index is None
         self._healthy = True  # the last index write succeeded (flush waits only then)
@@ -224,9 +225,12 @@ class CachePublisher:
                 continue
             try:
                 if isinstance(item, _Hit):
-                    self._record_hit(item)
+                    if self._healthy:  # while the index is down a count would only wait for its timeout
+                        self._record_hit(item)
                 else:
                     self._export(*item)
+            except Exception:  # this thread must outlive any one item
+                logger.exception("store publisher: item dropped")
             finally:
                 self._exports.task_done()
 
@@ -241,7 +245,8 @@ class CachePublisher:
             if key is not None:  # held from the put on, published or not
                 with self._ledger_lock:
                     self.ledger.add(key, res.state_bytes, st.meta.position, self.clock())
-            answer = key is not None and self._answer_keys.pop(key, False)
+            with self._tag_lock:
+                answer = key is not None and self._answer_keys.pop(key, False)
             with self.stats_lock:
                 if answer:
                     self.counters.answer_checkpoint_bytes += res.bytes_written
@@ -259,9 +264,10 @@ class CachePublisher:
     def tag_answer(self, key: BlockHash) -> None:
         """The export of state ``key`` will be an answer checkpoint's: its bytes count
         as ``answer_checkpoint_bytes`` (bounded: the oldest tags go first)."""
-        self._answer_keys[key] = True
-        while len(self._answer_keys) > 1024:
-            self._answer_keys.pop(next(iter(self._answer_keys)))
+        with self._tag_lock:
+            self._answer_keys[key] = True
+            while len(self._answer_keys) > 1024:
+                self._answer_keys.pop(next(iter(self._answer_keys)))
 
     # -- the state budget ----------------------------------------------------------------
     def _make_room(self, key: BlockHash, nbytes: int) -> None:
@@ -282,12 +288,15 @@ class CachePublisher:
         assert self.store is not None
         if self.index is not None:  # the index first: it never promises an object that is gone
             self.index.remove_store(state_hashes=victims)
-        self.store.remove([self.store.key("st", h) for h in victims])
-        with self._ledger_lock:
-            self.ledger.remove(victims)
+        stuck = set(self.store.remove([self.store.key("st", h) for h in victims]))
+        gone = [h for h in victims if self.store.key("st", h) not in stuck]
+        with self._ledger_lock:  # an object the store failed to remove still counts against the budget
+            self.ledger.remove(gone)
         with self.stats_lock:
-            self.counters.checkpoint_evictions += len(victims)
-        logger.debug("evicted %d state checkpoints from the store (budget)", len(victims))
+            self.counters.checkpoint_evictions += len(gone)
+        logger.debug("evicted %d state checkpoints from the store (budget)", len(gone))
+        if stuck:
+            raise UnavailableError("the store did not remove %d state objects" % len(stuck))
 
     def _refresh_hits(self) -> None:
         """Merge every instance's reuse counts of our objects (at most once per HIT_REFRESH_S)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +52,8 @@ class AnswerMemory:
 
     def __init__(self, max_entries: int = 4096, max_tokens: int = 4 << 20) -> None:
         self.max_entries, self.max_tokens = max_entries, max_tokens
-        self._entries: OrderedDict[bytes, tuple[tuple[int, ...], int]] = OrderedDict()
+        # NOTE: ids as int32 arrays: 4 bytes a token, not a tuple's ~36
+        self._entries: OrderedDict[bytes, tuple[array[int], int]] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
 
@@ -68,7 +70,7 @@ class AnswerMemory:
 
     def remember(self, salt: str | None, text: str, ids: Sequence[int], answer_start: int) -> None:
         key = self._key(salt, text)
-        value = (tuple(ids), answer_start)
+        value = (array("i", ids), answer_start)
         if len(value[0]) > self.max_tokens:
             return
         with self._lock:
@@ -81,7 +83,7 @@ class AnswerMemory:
                 _, dropped = self._entries.popitem(last=False)
                 self._tokens -= len(dropped[0])
 
-    def recall(self, salt: str | None, text: str) -> tuple[tuple[int, ...], int] | None:
+    def recall(self, salt: str | None, text: str) -> tuple[Sequence[int], int] | None:
         key = self._key(salt, text)
         with self._lock:
             got = self._entries.get(key)

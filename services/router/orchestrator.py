@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -222,19 +223,22 @@ class Orchestrator:
         (the client did not receive every token) or past the context."""
         if out.stopped_on_string or run.finish_reason not in ("stop", "length") or run.instance is None:
             return
+        if run.status != "ok":  # e.g. the client went away at the last event
+            return
+        stops = self.tokenizer.stop_token_ids
+        unread = out.detok.unread
+        if unread and not (len(unread) == 1 and unread[0] in stops):
+            return  # the client did not get the text of every id (a character cut at the end)
         req, gen = run.req, out.detok.ids
         prompt = req.prompt_token_ids
         self.answers.remember(
-            plan.salt,
-            plan.prompt_text + out.detok.emitted,
-            prompt + strip_stop(gen, self.tokenizer.stop_token_ids),
-            len(prompt),
+            plan.salt, plan.prompt_text + out.detok.emitted, prompt + strip_stop(gen, stops), len(prompt)
         )
         ids = prompt + tuple(gen)
         if len(ids) + 1 > self.cfg.max_model_len or not self.cfg.enable_prefix_caching:
             return
         warm = EngineRequest(
-            RequestId("answer-" + req.request_id),
+            RequestId("answer-%s-%s" % (req.request_id, uuid.uuid4().hex[:8])),
             ids,
             SamplingParams(max_tokens=1),
             req.cache_salt,

@@ -93,7 +93,7 @@ class OutputProcessor:
         before the stop string) when they completed one; else finished with
         ``finish_reason`` when ``done`` (the engine ended the request); else a delta."""
         before = len(self.detok.emitted)
-        delta = self.detok.push(token_ids)
+        delta = self.detok.push(token_ids, final=done)
         self.count += len(token_ids)
         at = self.stop.find(self.detok.emitted, before)
         if at is not None:

@@ -112,7 +112,9 @@ class PrefillCounters:
     answer_checkpoint_tokens: int = _counter("Tokens computed for answer checkpoints (the answers, mostly).")
     answer_checkpoint_bytes: int = _counter("Bytes of answer checkpoints put in the store.")
     answer_checkpoints_dropped: int = _counter("Answer checkpoints dropped: too many waiting on this instance.")
-    answer_checkpoints_skipped: int = _counter("Answer checkpoints this engine cannot make (vLLM).")
+    answer_checkpoints_skipped: int = _counter(
+        "Answer checkpoints not made: the engine cannot (vLLM), or the prompt's checkpoint is gone here."
+    )
     answer_checkpoints_failed: int = _counter("Answer checkpoints that failed (a later hit is lost, nothing else).")
     handoff_offered_bytes: int = _counter("Bytes offered to decode over NIXL.")
     handoffs_expired: int = _counter("Handoffs freed by timeout (decode never read them).")

@@ -146,8 +146,9 @@ class _FakeStore:
         self.objects.add(self.key("st", st.key))
         return PutResult(1, 100, 0.0, 100)
 
-    def remove(self, keys: list[str]) -> None:
+    def remove(self, keys: list[str]) -> list[str]:
         self.objects -= set(keys)
+        return []  # every one removed
 
 
 class _FakeIndex:

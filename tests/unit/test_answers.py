@@ -27,12 +27,16 @@ SYSTEM = "You are terse."
 
 
 # -- the memory -----------------------------------------------------------------------------
+def _got(entry: Any) -> Any:
+    return None if entry is None else (tuple(entry[0]), entry[1])
+
+
 def test_memory_is_per_salt_and_bounded() -> None:
     mem = AnswerMemory(max_entries=3, max_tokens=10)
     mem.remember(None, "a", [1, 2], 1)
     mem.remember("tenant-b", "a", [3, 4], 1)
-    assert mem.recall(None, "a") == ((1, 2), 1)
-    assert mem.recall("tenant-b", "a") == ((3, 4), 1)
+    assert _got(mem.recall(None, "a")) == ((1, 2), 1)
+    assert _got(mem.recall("tenant-b", "a")) == ((3, 4), 1)
     assert mem.recall("tenant-c", "a") is None and mem.recall("", "a") is None
     mem.remember(None, "b", [5] * 7, 2)  # 11 tokens in all: the least recently used goes
     assert mem.recall(None, "a") is None and mem.recall(None, "b") is not None
@@ -131,14 +135,13 @@ def test_a_normal_answer_is_sent_back_and_remembered() -> None:
     orch, pre, events = _run(plan=AnswerPlan("salt", "PROMPT TEXT"))
     (warm,) = pre.answers
     gen = tuple(t for ev in events for t in ev.token_ids)
-    assert warm.background and warm.request_id == "answer-r1"
+    assert warm.background and warm.request_id.startswith("answer-r1-")
     assert warm.prompt_token_ids == PROMPT + gen and warm.sampling.max_tokens == 1
     assert warm.cache_salt == "salt"
     text = "".join(ev.text for ev in events)
-    assert orch.answers.recall("salt", "PROMPT TEXT" + text) == (
-        PROMPT + strip_stop(gen, TOK.stop_token_ids),
-        len(PROMPT),
-    )
+    want = (PROMPT + strip_stop(gen, TOK.stop_token_ids), len(PROMPT))
+    assert _got(orch.answers.recall("salt", "PROMPT TEXT" + text)) == want
+    assert warm.request_id != "answer-r1"  # unique: a client's own id "answer-r1" cannot collide
     assert orch.metrics.registry.get_sample_value("hybridpd_answer_checkpoints_requested_total") == 1
 
 
@@ -214,3 +217,28 @@ def test_a_prefill_actor_without_answers_does_not_fail_the_request() -> None:
 
     events = asyncio.run(go())
     assert events[-1].finished and events[-1].usage is not None
+
+
+def test_no_answer_checkpoint_when_the_last_character_was_cut() -> None:
+    """A length finish inside a multi-byte character: the client gets the complete
+    text before it, and no answer is remembered or checkpointed (it would cover
+    bytes the client never received)."""
+    ids = TOK.encode("héllo 🙂")[:-2]  # two of the emoji's four byte tokens
+    pre = _AnswerPrefill("prefill-0", tokens=ids, produce=len(ids), finish="length", ticket=False)
+    orch = Orchestrator(
+        load_config(env={}, overrides={"max_model_len": 256}),
+        TOK,
+        "m",
+        None,
+        {"prefill-0": pre},
+        [FakeDecode()],
+        RouterMetrics(),
+    )
+    req = EngineRequest(RequestId("r1"), PROMPT, SamplingParams(max_tokens=len(ids)))
+
+    async def go() -> list[Any]:
+        return [ev async for ev in orch.stream(req, "chat", None, (), AnswerPlan(None, "x"))]
+
+    events = asyncio.run(go())
+    assert "".join(ev.text for ev in events) == "héllo "  # flushed at the end, not lost
+    assert pre.answers == [] and len(orch.answers) == 0

@@ -179,9 +179,7 @@ def _same(got, want) -> None:  # type: ignore[no-untyped-def]
 
 
 def _stored_states(events: list[CacheEvent]) -> set[BlockHash]:
-    return {
-        h for e in events if e.kind is CacheEventKind.STORED and e.group is CacheGroup.STATE for h in e.hashes
-    }
+    return {h for e in events if e.kind is CacheEventKind.STORED and e.group is CacheGroup.STATE for h in e.hashes}
 
 
 @pytest.mark.parametrize(("eagle", "budget"), [(False, 4096), (False, 48), (True, 4096)])

@@ -42,3 +42,14 @@ def test_a_multibyte_character_is_held_back_until_complete() -> None:
     got = [detok.push([i]) for i in ids]
     assert "".join(got) == "日本"
     assert all(g in ("", "日", "本", "日本") for g in got)
+
+
+def test_final_push_sends_the_complete_text_before_a_cut_character() -> None:
+    ids = TOK.encode("héllo 🙂")
+    d = IncrementalDetokenizer(TOK)
+    assert d.push(ids[:-2]) == ""  # the chunk ends inside the emoji: held back, more ids may come
+    assert d.unread == ids[:-2]
+    assert d.push(ids[-2:], final=True) == "héllo 🙂" and d.unread == []
+    d = IncrementalDetokenizer(TOK)
+    assert d.push(ids[:-2], final=True) == "héllo "  # the last chunk ends inside it: the rest is sent
+    assert d.emitted == "héllo " and d.unread == ids[:-2]  # ...but its ids are not all covered

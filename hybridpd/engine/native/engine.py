@@ -202,7 +202,10 @@ class NativeEngine:
         for sw in scheduled:  # admitted this step: restore the hit's state
             if sw.seq.rid not in self.runner.tensors:
                 slot = sw.seq.restore_slot
-                self.runner.start(sw.seq, self.cache.state_cache.read(slot) if slot is not None else None)
+                restored = (
+                    self.cache.state_cache.read(slot, hit=not sw.seq.request.background) if slot is not None else None
+                )
+                self.runner.start(sw.seq, restored)
         rows = self.runner.execute(scheduled)
         for sw, row in zip(scheduled, rows, strict=True):
             out = self._after_decode(sw.seq, row) if sw.decode else self._after_prefill(sw.seq, row)

@@ -6,8 +6,11 @@ Each ``schedule()`` call builds one step under a token budget:
 2. prefilling sequences continue, in admission order;
 3. waiting sequences are admitted (FCFS) while blocks and seats remain;
 4. background requests (``EngineRequest.background``: answer checkpoints)
-   continue, then are admitted, only on the budget steps 1-3 left, and only
-   while no other request waits: they never delay one.
+   continue, then are admitted, only on the budget steps 1-3 left, only
+   while no other request waits, and only while a seat and a quarter of the
+   KV blocks stay free for the next one (nothing preempts a running one): a
+   foreground request never waits for their step budget, and for their seats
+   or blocks only when it needs more than that reserve.
 
 A request prefilled elsewhere enters with ``admit_handoff``, straight into
 DECODE (its KV arrives with the handoff).
@@ -151,13 +154,17 @@ class Scheduler:
             queue = self.background if background else self.waiting
             if background and self.waiting:
                 break  # a waiting request (no seat or blocks now) goes first
-            budget = self._admit_from(queue, budget, out)
+            budget = self._admit_from(queue, budget, out, background)
         return out
 
-    def _admit_from(self, queue: deque[Sequence], budget: int, out: list[ScheduledWork]) -> int:
-        """Admit from ``queue`` (FCFS) while seats, blocks and budget remain; returns the budget left."""
-        while queue and len(self.running) < self.cfg.max_num_seqs:
+    def _admit_from(self, queue: deque[Sequence], budget: int, out: list[ScheduledWork], background: bool) -> int:
+        """Admit from ``queue`` (FCFS) while seats, blocks and budget remain (for
+        background requests: beyond the reserve); returns the budget left."""
+        seats = self.cfg.max_num_seqs - (1 if background else 0)
+        while queue and len(self.running) < seats:
             seq = queue[0]
+            if background and self.kv_pool.num_free - self.blocks_needed(seq) < self.kv_pool.num_slots // 4:
+                break
             if self._chunk_len(seq.num_prompt - 0, budget) == 0 or not self._admit(seq):
                 break
             queue.popleft()

@@ -125,10 +125,12 @@ class StateCache:
         self.pool.free(got)
         return True
 
-    def read(self, slot: int) -> list[DeltaState]:
+    def read(self, slot: int, hit: bool = True) -> list[DeltaState]:
         """Owned copies of the states in ``slot`` (a restore: the slot stays
-        cached, and the restore counts as a hit)."""
-        self.hits[slot] += 1
+        cached, and counts as a hit unless ``hit`` is False: an answer checkpoint's
+        prefill, whose own checkpoint supersedes this one)."""
+        if hit:
+            self.hits[slot] += 1
         self._used(slot)
         return [DeltaState(self.conv[slot, i].clone(), self.ssm[slot, i].clone()) for i in range(self.num_delta_layers)]
 
