@@ -37,6 +37,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from bench.report import previous_variants
 from launch.stack_process import StackProcess
 
 
@@ -182,14 +183,9 @@ def _ratios(v: dict[str, Any], base: dict[str, Any]) -> dict[str, float]:
 
 
 def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
-    """Variants already in ``json_path`` for this same workload (``--variant`` reruns merge into them)."""
-    try:
-        old = json.loads(json_path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if old.get("workload") != asdict(w) or old.get("quick") != quick:
-        return {}
-    return {k: {m: x for m, x in v.items() if not m.startswith("vs_")} for k, v in old.get("variants", {}).items()}
+    """Variants already in ``json_path`` for this same workload, without their ratios (recomputed)."""
+    old = previous_variants(json_path, asdict(w), quick)
+    return {k: {m: x for m, x in v.items() if not m.startswith("vs_")} for k, v in old.items()}
 
 
 def run(

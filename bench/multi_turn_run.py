@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from bench.multi_turn import QUICK, VARIANTS, Plan, TextEncoder, Workload, build_plan, checks, lcp, summarize
+from bench.report import previous_variants
 
 Messages = list[tuple[str, str]]
 ChatIds = Callable[[Messages], list[int]]
@@ -290,17 +291,6 @@ def _run_vllm(plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
     return out
 
 
-def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
-    """Variants already in ``json_path`` for this same workload (``--variant`` reruns merge into them)."""
-    try:
-        old = json.loads(json_path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if old.get("workload") != asdict(w) or old.get("quick") != quick:
-        return {}
-    return dict(old.get("variants", {}))
-
-
 def run(
     json_path: Path, quick: bool, only: list[str] | None = None, overrides: dict[str, int] | None = None
 ) -> dict[str, Any]:
@@ -333,7 +323,7 @@ def run(
         results[name]["wall_s"] = time.monotonic() - t0
         results[name]["run_started"] = started
     if only:
-        results = {**_previous(json_path, w, quick), **results}
+        results = {**previous_variants(json_path, asdict(w), quick), **results}
     results = {k: results[k] for k in VARIANTS if k in results}
     out = {
         "workload": asdict(w),

@@ -26,6 +26,18 @@ def machine_info() -> dict[str, Any]:
     }
 
 
+def previous_variants(json_path: Path, workload: dict[str, Any], quick: bool) -> dict[str, Any]:
+    """The variants already in ``json_path`` when it holds a run of this same workload
+    (``--variant`` reruns merge into them); else none."""
+    try:
+        old = json.loads(json_path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if old.get("workload") != workload or old.get("quick") != quick:
+        return {}
+    return dict(old.get("variants", {}))
+
+
 def write_json(path: Path, out: dict[str, Any]) -> None:
     """Add machine info to ``out`` (in place) and write it to ``path`` as JSON."""
     out["machine"] = machine_info()

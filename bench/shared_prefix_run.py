@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from bench.report import previous_variants
 from bench.shared_prefix import (
     COUNTING,
     KINDS,
@@ -222,17 +223,6 @@ def _run_vllm(plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[st
     return out
 
 
-def _previous(json_path: Path, w: Workload, quick: bool) -> dict[str, Any]:
-    """Variants already in ``json_path`` for this same workload (``--variant`` reruns merge into them)."""
-    try:
-        old = json.loads(json_path.read_text())
-    except (OSError, ValueError):
-        return {}
-    if old.get("workload") != asdict(w) or old.get("quick") != quick:
-        return {}
-    return dict(old.get("variants", {}))
-
-
 def run(
     json_path: Path, quick: bool, only: list[str] | None = None, overrides: dict[str, int] | None = None
 ) -> dict[str, Any]:
@@ -264,7 +254,7 @@ def run(
                 continue
         results[name]["wall_s"] = time.monotonic() - t0
     if only:
-        results = {**_previous(json_path, w, quick), **results}
+        results = {**previous_variants(json_path, asdict(w), quick), **results}
     out = {
         "workload": asdict(w),
         "quick": quick,

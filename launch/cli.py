@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
@@ -167,6 +167,29 @@ def bench() -> None:
     """Benchmarks (JSON + PNG; growing-streams also a markdown table)."""
 
 
+def _workload_overrides(fields: Iterable[str], items: Iterable[str]) -> dict[str, int]:
+    """``--workload FIELD=INT`` options as overrides of a benchmark's Workload fields."""
+    names = list(fields)
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in names or not value.isdigit():
+            raise click.BadParameter("expected FIELD=INT with FIELD one of %s, got %r" % (", ".join(names), item))
+        out[key] = int(value)
+    return out
+
+
+def _echo_report(json_path: str, out: dict[str, Any]) -> None:
+    """Print a benchmark's markdown table, its checks and notes, and where it wrote them."""
+    from pathlib import Path
+
+    click.echo(Path(json_path).with_suffix(".md").read_text())
+    click.echo("checks: %s" % out["checks"])
+    for name, note in out.get("notes", {}).items():
+        click.echo("%s: %s" % (name, note))
+    click.echo("wrote %s (+ .png, .md)" % json_path)
+
+
 @bench.command("growing-streams")
 @click.option(
     "--json",
@@ -204,19 +227,9 @@ def bench_growing_streams(
     if json_path is None:  # a --quick run never overwrites the full run's results
         json_path = "bench/results/growing_streams_quick.json" if quick else "bench/results/growing_streams.json"
 
-    overrides = {}
-    for item in workload:
-        key, sep, value = item.partition("=")
-        if not sep or key not in growing_streams.Workload.__dataclass_fields__ or not value.isdigit():
-            raise click.BadParameter(
-                "expected FIELD=INT with FIELD one of %s, got %r"
-                % (", ".join(growing_streams.Workload.__dataclass_fields__), item)
-            )
-        overrides[key] = int(value)
+    overrides = _workload_overrides(growing_streams.Workload.__dataclass_fields__, workload)
     out = growing_streams.run(Path(json_path), quick, url, list(variants) or None, overrides)
-    click.echo(Path(json_path).with_suffix(".md").read_text())
-    click.echo("checks: %s" % out["checks"])
-    click.echo("wrote %s (+ .png, .md)" % json_path)
+    _echo_report(json_path, out)
 
 
 @bench.command("shared-prefix")
@@ -254,19 +267,9 @@ def bench_shared_prefix(
 
     if json_path is None:  # a --quick run never overwrites the full run's results
         json_path = "bench/results/shared_prefix_quick.json" if quick else "bench/results/shared_prefix.json"
-    fields = shared_prefix.Workload.__dataclass_fields__
-    overrides = {}
-    for item in workload:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields or not value.isdigit():
-            raise click.BadParameter("expected FIELD=INT with FIELD one of %s, got %r" % (", ".join(fields), item))
-        overrides[key] = int(value)
+    overrides = _workload_overrides(shared_prefix.Workload.__dataclass_fields__, workload)
     out = shared_prefix_run.run(Path(json_path), quick, list(variants) or None, overrides)
-    click.echo(Path(json_path).with_suffix(".md").read_text())
-    click.echo("checks: %s" % out["checks"])
-    for name, note in out["notes"].items():
-        click.echo("%s: %s" % (name, note))
-    click.echo("wrote %s (+ .png, .md)" % json_path)
+    _echo_report(json_path, out)
 
 
 @bench.command("multi-turn")
@@ -303,19 +306,9 @@ def bench_multi_turn(json_path: str | None, quick: bool, variants: tuple[str, ..
 
     if json_path is None:  # a --quick run never overwrites the full run's results
         json_path = "bench/results/multi_turn_quick.json" if quick else "bench/results/multi_turn.json"
-    fields = multi_turn.Workload.__dataclass_fields__
-    overrides = {}
-    for item in workload:
-        key, sep, value = item.partition("=")
-        if not sep or key not in fields or not value.isdigit():
-            raise click.BadParameter("expected FIELD=INT with FIELD one of %s, got %r" % (", ".join(fields), item))
-        overrides[key] = int(value)
+    overrides = _workload_overrides(multi_turn.Workload.__dataclass_fields__, workload)
     out = multi_turn_run.run(Path(json_path), quick, list(variants) or None, overrides)
-    click.echo(Path(json_path).with_suffix(".md").read_text())
-    click.echo("checks: %s" % out["checks"])
-    for name, note in out["notes"].items():
-        click.echo("%s: %s" % (name, note))
-    click.echo("wrote %s (+ .png, .md)" % json_path)
+    _echo_report(json_path, out)
 
 
 @bench.command("router")
