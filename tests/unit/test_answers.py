@@ -104,17 +104,14 @@ class _AnswerPrefill(FakePrefill):
         self.answer = _Remote()
 
 
+def _orch(prefill: Any) -> Orchestrator:
+    cfg = load_config(env={}, overrides={"max_model_len": 256})
+    return Orchestrator(cfg, TOK, "m", None, {"prefill-0": prefill}, [FakeDecode()], RouterMetrics())
+
+
 def _run(stop: tuple[str, ...] = (), plan: AnswerPlan | None = None, cancel_after: int | None = None) -> Any:
     pre = _AnswerPrefill("prefill-0")
-    orch = Orchestrator(
-        load_config(env={}, overrides={"max_model_len": 256}),
-        TOK,
-        "m",
-        None,
-        {"prefill-0": pre},
-        [FakeDecode()],
-        RouterMetrics(),
-    )
+    orch = _orch(pre)
     req = EngineRequest(RequestId("r1"), PROMPT, SamplingParams(max_tokens=8), "salt")
 
     async def go() -> list[Any]:
@@ -201,15 +198,7 @@ def test_background_is_not_admitted_while_another_request_waits() -> None:
 
 def test_a_prefill_actor_without_answers_does_not_fail_the_request() -> None:
     """E.g. an older prefill actor shared by routers of a newer version."""
-    orch = Orchestrator(
-        load_config(env={}, overrides={"max_model_len": 256}),
-        TOK,
-        "m",
-        None,
-        {"prefill-0": FakePrefill("prefill-0")},
-        [FakeDecode()],
-        RouterMetrics(),
-    )
+    orch = _orch(FakePrefill("prefill-0"))
     req = EngineRequest(RequestId("r1"), PROMPT, SamplingParams(max_tokens=8))
 
     async def go() -> list[Any]:
@@ -225,15 +214,7 @@ def test_no_answer_checkpoint_when_the_last_character_was_cut() -> None:
     bytes the client never received)."""
     ids = TOK.encode("héllo 🙂")[:-2]  # two of the emoji's four byte tokens
     pre = _AnswerPrefill("prefill-0", tokens=ids, produce=len(ids), finish="length", ticket=False)
-    orch = Orchestrator(
-        load_config(env={}, overrides={"max_model_len": 256}),
-        TOK,
-        "m",
-        None,
-        {"prefill-0": pre},
-        [FakeDecode()],
-        RouterMetrics(),
-    )
+    orch = _orch(pre)
     req = EngineRequest(RequestId("r1"), PROMPT, SamplingParams(max_tokens=len(ids)))
 
     async def go() -> list[Any]:
