@@ -116,7 +116,13 @@ class PrefillWorker(WorkerBase):
         )
         self.loop = EngineLoop(self.engine, after_step=lambda: self.publisher.collect(self.engine))
         self.answers = AnswerCheckpoints(
-            self.engine, self.loop, self.publisher.flush, self._count, self._observe, self._tag_answer
+            self.engine,
+            self.loop,
+            self.publisher.flush,
+            self._count,
+            self._observe,
+            self._tag_answer,
+            max_recompute=4 * cfg.max_num_batched_tokens,
         )
         self._stop = threading.Event()
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()

@@ -51,12 +51,17 @@ class AnswerCheckpoints:
         count: Callable[[str, int], None],
         observe: Callable[[str, float], None],
         tag: Callable[[EngineRequest], None] = lambda req: None,
+        max_recompute: int = 2048,
     ) -> None:
         """``flush(timeout)`` waits until the engine's cache events are in the index;
         ``count(counter, n)`` adds to a worker counter; ``observe(histogram, s)``;
-        ``tag(req)`` marks the checkpoint ``req`` will export as an answer's."""
+        ``tag(req)`` marks the checkpoint ``req`` will export as an answer's;
+        ``max_recompute``: skip an answer whose prefill would compute more (its
+        prompt's checkpoint is gone here)."""
         self.engine, self.loop, self.flush, self.count, self.observe = engine, loop, flush, count, observe
         self.tag = tag
+        #: an answer whose prefill would compute more tokens than this is skipped
+        self.max_recompute = max_recompute
         self._queue: deque[tuple[EngineRequest, float]] = deque()
         self._cond = threading.Condition()
         self._stop = False
@@ -99,7 +104,8 @@ class AnswerCheckpoints:
     def _one(self, req: EngineRequest, t0: float) -> None:
         with self.loop.lock:
             hit = self.engine.local_hit(list(req.prompt_token_ids), req.cache_salt)
-        if hit == 0:  # the prompt's checkpoint is gone here: recomputing it all is not worth it
+        if len(req.prompt_token_ids) - hit > self.max_recompute:
+            # the prompt's checkpoint is gone here: recomputing a long conversation is not worth it
             self.count("answer_checkpoints_skipped", 1)
             return
         self.tag(req)
