@@ -148,9 +148,12 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
             loop.add_signal_handler(sig, stop.set)
         if exit_after_start:
             stop.set()
-        task = asyncio.create_task(router.serve(stop))
-        await asyncio.sleep(0.5)
-        if not exit_after_start:
+        ready = asyncio.Event()
+        task = asyncio.create_task(router.serve(stop, ready))
+        ready_wait = asyncio.create_task(ready.wait())
+        await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
+        ready_wait.cancel()
+        if ready.is_set() and not exit_after_start:  # both ports bound: only now is the stack up
             click.echo("Press Ctrl-C to stop.")
             sys.stdout.flush()
         await task

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
 
+from hybridpd.errors import UnavailableError
 from services.router.grpc_api import create_grpc_server, mark_serving
 from services.router.openai_api import create_app
 from services.router.orchestrator import Orchestrator
@@ -44,14 +45,24 @@ class RouterServer:
         self.served_model = served_model
         self.grpc_address = "%s:%d" % (host, grpc_port)
 
-    async def serve(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set (or uvicorn exits on a signal)."""
+    async def serve(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        """Serve until ``stop`` is set (or uvicorn exits on a signal). ``ready`` is set
+        once both servers listen; a port that cannot be bound raises before it is."""
         # NOTE: grpc.aio servers bind to the loop they are created in: create it here
         self.grpc = create_grpc_server(self.orch, self.served_model, self.grpc_address)
         await self.grpc.start()
         await mark_serving(self.grpc)
         http_task = asyncio.create_task(self.http.serve())
         stop_task = asyncio.create_task(stop.wait())
+        while not self.http.started and not http_task.done() and not stop.is_set():
+            await asyncio.sleep(0.05)
+        if http_task.done() and not stop.is_set():  # uvicorn gave up: most likely the port is taken
+            stop_task.cancel()
+            await self.grpc.stop(grace=0)
+            http_task.result()
+            raise UnavailableError("the HTTP server on %s did not start" % self.http.config.port)
+        if ready is not None:
+            ready.set()
         try:
             await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from hybridpd.procs import free_port
 
@@ -51,3 +54,25 @@ def test_an_actor_failing_at_startup_ends_up_with_its_error(tmp_path: Path) -> N
     assert "SafetensorError" in m.group(2) or "safetensors" in m.group(2).lower(), m.group(0)
     assert "model.safetensors" in out or "load_file" in out, out[-4000:]  # the traceback points at the load
     assert elapsed < 60, elapsed
+
+
+@pytest.mark.parametrize("taken", ["--http-port", "--grpc-port"])
+def test_a_port_taken_by_another_process_fails_before_the_ready_banner(tmp_path: Path, taken: str) -> None:
+    """The stack says "Press Ctrl-C to stop." only once both servers listen: a port
+    lost between choosing it and binding it fails `hybridpd up` (which
+    StackProcess.start retries on fresh ports) instead of a stack that refuses
+    every connection."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        ports = {flag: str(free_port()) for flag in ("--http-port", "--grpc-port", "--dashboard-port")}
+        ports[taken] = str(holder.getsockname()[1])
+        argv = [str(Path(sys.executable).parent / "hybridpd"), "up", "--workdir", str(tmp_path / "wd")]
+        argv += [*(x for kv in ports.items() for x in kv), "--ray-metrics-port", str(free_port())]
+        proc = subprocess.run(
+            argv, capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+        )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "Press Ctrl-C" not in out, out[-4000:]
+    assert "already in use" in out.lower() or "failed to bind" in out.lower(), out[-4000:]
