@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.shared_prefix import WORDS
+from bench.shared_prefix import WORDS, lcp
 
 TextEncoder = Callable[[str], list[int]]
 
@@ -94,15 +94,6 @@ def build_plan(w: Workload, encode: TextEncoder) -> Plan:
 
 
 # -- the arithmetic (pure) -------------------------------------------------
-
-
-def lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def shared_round1(prompts: Sequence[Sequence[int]]) -> list[int]:
