@@ -3,8 +3,9 @@
     token ids (the prefill's, possibly none; then each decode chunk)
       -> IncrementalDetokenizer.push           text delta (a split character held back)
       -> StopWindow.find on the tail it touched the earliest stop string, if any
-      -> Event                                 the delta, cut before a stop string;
-                                               usage on the last one
+      -> Event                                 the text up to a stop string, minus a
+                                               tail that may start one (held back
+                                               until it does not); usage on the last one
 
 Tensor-free and actor-free: unit-tested on token ids alone.
 """
@@ -62,6 +63,16 @@ class StopWindow:
         hits = [i for i in (text.find(s, lo) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
+    def held(self, text: str) -> int:
+        """How many characters at the end of ``text`` could be the start of a stop
+        string (the longest suffix that is a proper prefix of one): held back
+        from the client until the text goes on, ends, or completes the stop string."""
+        for k in range(min(self.reach, len(text)), 0, -1):
+            tail = text[len(text) - k :]
+            if any(len(s) > k and s.startswith(tail) for s in self.stop):
+                return k
+        return 0
+
 
 class OutputProcessor:
     """One request's output. Feed :meth:`push` the prefill's tokens, then every
@@ -84,6 +95,8 @@ class OutputProcessor:
         self.count = 0
         #: the request ended on a stop string: the client did not get every token
         self.stopped_on_string = False
+        #: characters of ``detok.emitted`` sent to the client
+        self.sent = 0
 
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.cached_tokens, self.count, self.prefix_tokens)
@@ -91,15 +104,24 @@ class OutputProcessor:
     def push(self, token_ids: tuple[int, ...], done: bool, finish_reason: str | None) -> Event:
         """The Event for ``token_ids``: finished with reason "stop" (its text cut
         before the stop string) when they completed one; else finished with
-        ``finish_reason`` when ``done`` (the engine ended the request); else a delta."""
+        ``finish_reason`` when ``done`` (the engine ended the request); else the
+        new text, less a tail that may be the start of a stop string (as OpenAI
+        and vLLM hold it back: a client never sees "STO" of "STOP")."""
         before = len(self.detok.emitted)
-        delta = self.detok.push(token_ids, final=done)
+        self.detok.push(token_ids, final=done)
         self.count += len(token_ids)
-        at = self.stop.find(self.detok.emitted, before)
+        text = self.detok.emitted
+        at = self.stop.find(text, before)
         if at is not None:
             self.stopped_on_string = True
-            start = len(self.detok.emitted) - len(delta)  # where ``delta`` starts in the full text
-            return Event(token_ids, delta[: max(at - start, 0)], True, "stop", self.usage())
+            return Event(token_ids, self._release(at), True, "stop", self.usage())
         if done:
-            return Event(token_ids, delta, True, finish_reason, self.usage())
-        return Event(token_ids, delta)
+            return Event(token_ids, self._release(len(text)), True, finish_reason, self.usage())
+        return Event(token_ids, self._release(len(text) - self.stop.held(text)))
+
+    def _release(self, upto: int) -> str:
+        """The text from what was sent up to ``upto``, now sent."""
+        upto = max(upto, self.sent)
+        out = self.detok.emitted[self.sent : upto]
+        self.sent = upto
+        return out

@@ -340,9 +340,9 @@ def test_stop_string_split_over_three_chunks() -> None:
     p, d = FakePrefill("prefill-0"), FakeDecode((9, 2, 3, 5))
     orch = _orch([p], [d])
     evs = asyncio.run(_collect(orch, _req(30), ("STOP",)))
-    assert [ev.text for ev in evs] == [" H", "ello world, the S", "TO", ""]
+    # "S", then "STO", may start the stop string: held back, never sent
+    assert [ev.text for ev in evs] == [" H", "ello world, the ", "", ""]
     assert [ev.token_ids for ev in evs] == [SCRIPT[0:1], SCRIPT[1:10], SCRIPT[10:12], SCRIPT[12:15]]
-    # NOTE: text is not held back while a stop string may be starting: "STO" went out
     assert (evs[-1].finished, evs[-1].finish_reason, evs[-1].usage) == (True, "stop", Usage(3, CACHED, 15))
     assert p.abort.calls == [("r1",)] and d.abort.calls == [("r1",)]  # decode had not finished
     assert _metric(orch, "hybridpd_requests_total", api="test", status="ok") == 1
@@ -359,7 +359,7 @@ def test_stop_string_ending_in_a_chunk_is_cut_from_it() -> None:
     ("stop", "texts", "count"),
     [
         ((" H",), [""], 1),  # the prefill's token completes it
-        (("Hel",), [" H", ""], 3),  # starts in the prefill's token, ends in the first chunk
+        (("Hel",), [" ", ""], 3),  # starts in the prefill's token ("H" held back), ends in the first chunk
     ],
 )
 def test_stop_string_and_the_first_token(stop: tuple[str, ...], texts: list[str], count: int) -> None:
@@ -375,9 +375,9 @@ def test_stop_string_and_the_first_token(stop: tuple[str, ...], texts: list[str]
 def test_stop_string_in_multibyte_characters() -> None:
     p, d = FakePrefill("prefill-0", produce=0), FakeDecode((1,))
     evs = asyncio.run(_collect(_orch([p], [d]), _req(30), ("日本",)))
-    # NOTE: "日" went out before "本" completed the stop string (no hold-back of stop prefixes)
-    assert "".join(ev.text for ev in evs) == " Hello world, the STOP here. héllo 日"
-    assert [ev.text for ev in evs[-6:]] == ["", "", "日", "", "", ""]  # partial characters held back
+    # "日" is held back as the start of the stop string, and "本" completes it
+    assert "".join(ev.text for ev in evs) == " Hello world, the STOP here. héllo "
+    assert [ev.text for ev in evs[-6:]] == ["", "", "", "", "", ""]  # partial characters held back too
     assert (evs[-1].finish_reason, evs[-1].usage) == ("stop", Usage(3, CACHED, 28))
 
 

@@ -1,5 +1,6 @@
 """Output processing (services/router/output.py) on token ids alone: the stop
-strings' tail window gives exactly what searching the whole text gave."""
+strings' tail window gives exactly what searching the whole text gives, and
+a tail that may start a stop string is held back."""
 
 from __future__ import annotations
 
@@ -15,17 +16,28 @@ pytestmark = pytest.mark.unit
 
 
 def _whole_text_reference(chunks: list[tuple[int, ...]], stop: tuple[str, ...]) -> list[tuple[str, bool, int]]:
-    """The previous router's algorithm: search the WHOLE text after every chunk."""
-    detok, out, count = IncrementalDetokenizer(TOK), [], 0
+    """By brute force over the WHOLE text after every chunk: the earliest stop
+    string ends it; else everything but the longest tail that is a proper
+    prefix of a stop string is sent (all of it at the end)."""
+    detok, out, count, sent = IncrementalDetokenizer(TOK), [], 0, 0
+    stops = [s for s in stop if s]
     for i, chunk in enumerate(chunks):
-        delta = detok.push(chunk)
+        last = i == len(chunks) - 1
+        detok.push(chunk, final=last)
         count += len(chunk)
-        hits = [j for j in (detok.emitted.find(s) for s in stop if s) if j >= 0]
+        text = detok.emitted
+        hits = [j for j in (text.find(s) for s in stops) if j >= 0]
         if hits:
-            before = len(detok.emitted) - len(delta)
-            out.append((delta[: max(min(hits) - before, 0)], True, count))
+            out.append((text[sent : max(min(hits), sent)], True, count))
             return out
-        out.append((delta, i == len(chunks) - 1, count))
+        held = 0
+        if not last:
+            held = max(
+                (k for k in range(1, len(text) + 1) for s in stops if len(s) > k and s.startswith(text[-k:])), default=0
+            )
+        upto = max(len(text) - held, sent)
+        out.append((text[sent:upto], last, count))
+        sent = upto
     return out
 
 
