@@ -3,27 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from bench import provenance, repeats
+
 
 def machine_info() -> dict[str, Any]:
-    import os
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    """When the file was written, from which commit (dirty or not), on what machine.
+    Each measured unit also has its own ``provenance`` (bench/provenance.py)."""
+    commit, dirty = provenance.git_state()
     return {
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "written_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "commit": commit,
+        "dirty": dirty,
         "machine": platform.machine(),
+        "cpu": provenance.cpu_model(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
     }
+
+
+def run_summary(variants: dict[str, Any]) -> dict[str, Any]:
+    """``same_run`` (computed from the variants' recorded times and commits) and the span."""
+    recs = repeats.provenances(variants)
+    return {"same_run": provenance.same_run(recs), **provenance.span(recs)} if recs else {"same_run": False}
 
 
 def previous_variants(json_path: Path, workload: dict[str, Any], quick: bool) -> dict[str, Any]:
@@ -39,8 +46,11 @@ def previous_variants(json_path: Path, workload: dict[str, Any], quick: bool) ->
 
 
 def write_json(path: Path, out: dict[str, Any]) -> None:
-    """Add machine info to ``out`` (in place) and write it to ``path`` as JSON."""
+    """Add machine info (and, for variants, ``run``: same_run and span) to ``out``
+    (in place) and write it to ``path`` as JSON."""
     out["machine"] = machine_info()
+    if isinstance(out.get("variants"), dict):
+        out["run"] = run_summary(out["variants"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
 
