@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import random
 import statistics
@@ -37,7 +38,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from bench.report import previous_variants
+from bench.report import previous_variants, spread
 from launch.stack_process import StackProcess
 
 
@@ -94,6 +95,11 @@ def _run_variant(name: str, args: list[str], w: Workload, tmp: Path) -> dict[str
         tmp, [*args, "--max-num-batched-tokens", str(max(16384, w.end + 64))], 900, venv / "bin" / "hybridpd"
     ) as st:
         return run_workload(st.http, w, name)
+
+
+def _run_in_tmp(name: str, args: list[str], w: Workload) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
+        return _run_variant(name, args, w, Path(tmp))
 
 
 _LOCAL = threading.local()
@@ -194,24 +200,28 @@ def run(
     url: str | None = None,
     only: list[str] | None = None,
     overrides: dict[str, int] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Run the variants (all, or ``only`` these: then merged into the same workload's
-    earlier results in ``json_path``), write JSON + PNG + markdown. ``overrides``
-    replace workload fields (``--workload``)."""
+    earlier results in ``json_path``), each ``repeats`` times interleaved (every
+    repeat kept, medians published: bench/repeats.py), and write JSON + PNG +
+    markdown. ``overrides`` replace workload fields (``--workload``)."""
+    from bench.repeats import measure, measure_variants
+    from bench.vllm_direct import vllm_venv
+
     w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
     results: dict[str, Any] = {}
     notes: dict[str, str] = {}
     if url is not None:
-        results["external"] = run_workload(url, w, "external")
+        results["external"] = measure(lambda: run_workload(url, w, "external"), repeats, "external")
     else:
-        for name, args in variants(w).items():
-            if only and name not in only:
-                continue
-            with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
-                try:
-                    results[name] = _run_variant(name, args, w, Path(tmp))
-                except FileNotFoundError as exc:
-                    notes[name] = "left out: %s" % exc
+        fns = {
+            name: functools.partial(_run_in_tmp, name, args, w)
+            for name, args in variants(w).items()
+            if not only or name in only
+        }
+        venv = vllm_venv()
+        results, notes = measure_variants(fns, repeats, {n: venv for n in fns if n in VLLM_VARIANTS})
         if only:
             results = {**_previous(json_path, w, quick), **results}
     for name, v in results.items():
@@ -229,10 +239,6 @@ def run(
     if "partial" in results and "aligned" in results:
         checks["partial_caches_more_than_aligned"] = (
             results["partial"]["cached_tokens_per_request"] > results["aligned"]["cached_tokens_per_request"]
-        )
-    if "vllm-partial" in results and "vllm-direct" in results:
-        checks["vllm_partial_ttft_p50_vs_vllm_direct"] = (
-            results["vllm-partial"]["ttft_p50_ms"] / results["vllm-direct"]["ttft_p50_ms"]
         )
     out = {"workload": asdict(w), "quick": quick, "variants": results, "checks": checks, "notes": notes}
     _write(json_path, out)
@@ -252,21 +258,31 @@ def _write(path: Path, out: dict[str, Any]) -> None:
         },
         "growing streams: %s" % json.dumps(out["workload"]),
     )
+    path.with_suffix(".md").write_text(markdown(out))
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The per-variant table of a run's JSON: medians of the repeats, with their
+    min-max where they differ (TTFT and throughput vary by the minute here; the
+    token counts are the policy's and repeat exactly)."""
     rows = [
-        "| variant | cached / req | recomputed / req | ideal | TTFT p50 ms | TTFT p90 ms | tokens/s |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | repeats | cached / req | recomputed / req | ideal | recomputed / ideal"
+        " | TTFT p50 ms | TTFT p90 ms | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for k, x in v.items():
+    for k, x in out["variants"].items():
         rows.append(
-            "| %s | %.1f | %.1f | %.0f | %.1f | %.1f | %.0f |"
+            "| %s | %d | %s | %s | %.0f | %s | %s | %s | %s |"
             % (
                 k,
-                x["cached_tokens_per_request"],
-                x["recomputed_tokens_per_request"],
+                x.get("repeat_count", 1),
+                spread(x, "cached_tokens_per_request"),
+                spread(x, "recomputed_tokens_per_request"),
                 x["ideal_tokens_per_request"],
-                x["ttft_p50_ms"],
-                x["ttft_p90_ms"],
-                x["throughput_tokens_per_s"],
+                spread(x, "recompute_over_ideal", spec="%.3f"),
+                spread(x, "ttft_p50_ms"),
+                spread(x, "ttft_p90_ms"),
+                spread(x, "throughput_tokens_per_s", spec="%.0f"),
             )
         )
-    path.with_suffix(".md").write_text("\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"

@@ -205,41 +205,91 @@ def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
-    """Issue #17's done-when, from one run: every rounds->=2 request of
-    ``answers-cached`` recomputes at most its ideal + one unit (the ideal counts
-    the template tokens; the answer checkpoint lies at the last unit boundary of
-    prompt + answer), every one of ``prompt-only`` recomputes at least its ideal
-    + the previous answer; both variants from the same run (``run_started``)."""
-    out: dict[str, Any] = {"unit": unit}
+def predicted_hit(prev_prompt: int, prev_completion: int, unit: int) -> int:
+    """Where the answer checkpoint of the previous turn lies (docs/DESIGN.md section 4,
+    EAGLE off): the tail of prompt + answer, ``checkpoint_position(P + C, u) =
+    (P + C - 1) // u * u``. The next turn's prompt starts with those ids (the
+    router recalls them), so this is its hit, computed from the protocol alone."""
+    return max(prev_prompt + prev_completion - 1, 0) // unit * unit
+
+
+def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
+    """The per-request checks of one repeat (``{name: that repeat's result}``)."""
+    out: dict[str, Any] = {}
     ac, po = variants.get("answers-cached"), variants.get("prompt-only")
     if ac is not None:
-        over = [
+        later = [r for r in ac["requests"] if r["round"] >= 2]
+        out["answers_cached_over_bound"] = [
             "user%d/round%d" % (r["user"], r["round"])
-            for r in ac["requests"]
-            if r["round"] >= 2 and r["recomputed_tokens"] > r["ideal_tokens"] + unit
+            for r in later
+            if r["recomputed_tokens"] > r["ideal_tokens"] + unit
         ]
-        out["answers_cached_bound"] = "recomputed <= ideal + unit, per request"
-        out["answers_cached_over_bound"] = over
-        out["answers_cached_ok"] = not over
-        m = ac.get("answer_tokens_metric")
-        if m is not None:  # the router's count of restored answer tokens against usage's
-            out["answers_cached_metric_hit_equals_usage"] = m["hit"] == ac["answer_hit_tokens"]
+        prev = {(r["user"], r["round"]): r for r in ac["requests"]}
+        out["answers_cached_hit_not_predicted"] = [
+            "user%d/round%d: cached %d, protocol %d" % (r["user"], r["round"], r["cached_tokens"], want)
+            for r in later
+            for p in [prev[(r["user"], r["round"] - 1)]]
+            for want in [predicted_hit(p["prompt_tokens"], p["completion_tokens"], unit)]
+            if r["cached_tokens"] != want
+        ]
     if po is not None:
-        short = [
+        out["prompt_only_not_recomputing_answer"] = [
             "user%d/round%d" % (r["user"], r["round"])
             for r in po["requests"]
             if r["round"] >= 2 and r["recomputed_tokens"] < r["ideal_tokens"] + r["answer_tokens"]
         ]
-        out["prompt_only_bound"] = "recomputed >= ideal + previous answer, per request"
-        out["prompt_only_not_recomputing_answer"] = short
-        out["prompt_only_recomputes_answer"] = not short
     nc = variants.get("nocache")
-    if ac is not None and nc is not None and ac.get("run_started") == nc.get("run_started"):
+    if ac is not None and nc is not None:
         # both build each prompt from the recalled ids: greedy answers must be equal (exactness)
         texts = [[r.get("answer_text") for r in v["requests"]] for v in (ac, nc)]
-        out["answers_cached_outputs_equal_nocache"] = texts[0] == texts[1]
+        out["outputs_equal"] = texts[0] == texts[1]
+    return out
+
+
+def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
+    """Issue #17's done-when, each part compared with an independent reference and
+    judged in every repeat (``variants``: ``{name: bench.repeats`` aggregate or one
+    run``}``):
+
+    * ``answers_cached_ok``: every rounds->=2 request of ``answers-cached``
+      recomputes at most its ideal + one unit (the ideal counts the template
+      tokens; the answer checkpoint lies at the last unit boundary of prompt + answer);
+    * ``answers_cached_hits_protocol``: its cached tokens equal the answer
+      checkpoint's position by the protocol's arithmetic (``predicted_hit``);
+    * ``prompt_only_recomputes_answer``: every rounds->=2 request of
+      ``prompt-only`` recomputes at least its ideal + the previous answer;
+    * ``answers_cached_outputs_equal_nocache``: the same greedy answers as the
+      no-cache run of the same prompts, from the same commit;
+    * ``same_run``: computed from the two variants' recorded provenance (times and
+      commit, bench/provenance.py), never assumed; ``done_when`` needs it.
+    """
+    from bench.provenance import same_run
+    from bench.repeats import repeat_views
+
+    per = [_checks_one(v, unit) for v in repeat_views(variants)]
+    out: dict[str, Any] = {"unit": unit, "repeats_checked": len(per)}
+
+    def failures(key: str) -> list[str]:
+        return ["repeat %d: %s" % (i + 1, x) for i, c in enumerate(per) for x in c.get(key, [])]
+
+    ac, po, nc = (variants.get(k) for k in ("answers-cached", "prompt-only", "nocache"))
+    if ac is not None:
+        out["answers_cached_bound"] = "recomputed <= ideal + unit, per request"
+        out["answers_cached_over_bound"] = failures("answers_cached_over_bound")
+        out["answers_cached_ok"] = not out["answers_cached_over_bound"]
+        out["answers_cached_hit_not_predicted"] = failures("answers_cached_hit_not_predicted")
+        out["answers_cached_hits_protocol"] = not out["answers_cached_hit_not_predicted"]
+    if po is not None:
+        out["prompt_only_bound"] = "recomputed >= ideal + previous answer, per request"
+        out["prompt_only_not_recomputing_answer"] = failures("prompt_only_not_recomputing_answer")
+        out["prompt_only_recomputes_answer"] = not out["prompt_only_not_recomputing_answer"]
+    if ac is not None and nc is not None and _commits(ac) == _commits(nc) and len(_commits(ac)) == 1:
+        out["answers_cached_outputs_equal_nocache"] = all(c.get("outputs_equal", False) for c in per)
     if ac is not None and po is not None:
-        out["same_run"] = ac.get("run_started") is not None and ac.get("run_started") == po.get("run_started")
+        out["same_run"] = same_run([*ac.get("provenance", []), *po.get("provenance", [])])
         out["done_when"] = bool(out["answers_cached_ok"] and out["prompt_only_recomputes_answer"] and out["same_run"])
     return out
+
+
+def _commits(v: dict[str, Any]) -> set[str]:
+    return {p["commit"] for p in v.get("provenance", [])}

@@ -12,8 +12,8 @@ around every request, so each request's deltas are its own.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
-import os
 import re
 import tempfile
 import time
@@ -25,7 +25,9 @@ from typing import Any
 import httpx
 
 from bench.multi_turn import QUICK, VARIANTS, Plan, TextEncoder, Workload, build_plan, checks, lcp, summarize
-from bench.report import previous_variants
+from bench.repeats import measure_variants
+from bench.report import previous_variants, spread
+from bench.vllm_direct import vllm_venv
 
 Messages = list[tuple[str, str]]
 ChatIds = Callable[[Messages], list[int]]
@@ -267,7 +269,7 @@ def variants(w: Workload) -> dict[str, list[str]]:
 
 
 def _run_vllm(plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
-    from bench.vllm_direct import VllmServer, vllm_venv
+    from bench.vllm_direct import VllmServer
 
     venv = vllm_venv()
     if venv is None:
@@ -292,36 +294,34 @@ def _run_vllm(plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
 
 
 def run(
-    json_path: Path, quick: bool, only: list[str] | None = None, overrides: dict[str, int] | None = None
+    json_path: Path,
+    quick: bool,
+    only: list[str] | None = None,
+    overrides: dict[str, int] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Run the variants (all, or ``only`` these, merged into the same workload's
-    earlier results in ``json_path``) and write JSON + PNG + markdown.
+    earlier results in ``json_path``), each ``repeats`` times interleaved (medians
+    published, every repeat kept), and write JSON + PNG + markdown.
     ``overrides`` replace workload fields (``--workload``)."""
     from launch.stack_process import StackProcess
 
     w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
     enc = native_encoders()
     plan = build_plan(w, enc.text_ids)
-    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    results: dict[str, Any] = {}
-    notes: dict[str, str] = {}
-    load_before = os.getloadavg()[0]
-    for name, args in variants(w).items():
-        if only and name not in only:
-            continue
+
+    def one(name: str, args: list[str]) -> dict[str, Any]:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
-            try:
-                if name == "vllm-direct":
-                    results[name] = _run_vllm(plan, w, Path(tmp))
-                else:
-                    with StackProcess(Path(tmp), args) as st:
-                        results[name] = run_conversations(st.http, plan, w, enc, native=True)
-            except FileNotFoundError as exc:
-                notes[name] = "left out: %s" % exc
-                continue
-        results[name]["wall_s"] = time.monotonic() - t0
-        results[name]["run_started"] = started
+            if name == "vllm-direct":
+                got = _run_vllm(plan, w, Path(tmp))
+            else:
+                with StackProcess(Path(tmp), args) as st:
+                    got = run_conversations(st.http, plan, w, enc, native=True)
+        return {**got, "wall_s": time.monotonic() - t0}
+
+    fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
+    results, notes = measure_variants(fns, repeats, {"vllm-direct": vllm_venv()} if "vllm-direct" in fns else {})
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
     results = {k: results[k] for k in VARIANTS if k in results}
@@ -330,17 +330,11 @@ def run(
         "quick": quick,
         "plan": {"system": plan.system, "messages": plan.messages},
         "variants": results,
-        "checks": checks(results, w.unit)
-        | {"answer_tokens": w.answer_tokens, "answers_long_enough": w.answer_tokens >= 128},
+        "checks": checks(results, w.unit),
         "notes": notes,
-        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
     }
     _write(json_path, out)
     return out
-
-
-def _fmt(x: float | None, spec: str = "%.3f") -> str:
-    return "-" if x is None else spec % x
 
 
 def _write(path: Path, out: dict[str, Any]) -> None:
@@ -362,27 +356,35 @@ def _write(path: Path, out: dict[str, Any]) -> None:
         "multi-turn: %d users x %d rounds, answers of %d tokens, u = %d%s"
         % (w["users"], w["rounds"], w["answer_tokens"], w["unit"], " (--quick)" if out["quick"] else ""),
     )
+    path.with_suffix(".md").write_text(markdown(out))
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The overall and per-round tables of a run's JSON: medians of the repeats
+    (min-max where they differ)."""
+    v = out["variants"]
     rows = [
-        "| variant | recomputed / req | ideal / req | (text) | max over ideal | answer tokens hit | (router) "
+        "| variant | repeats | recomputed / req | ideal / req | (text) | max over ideal | answer tokens hit | (router) "
         "| retokenized differs (router) | (client) | (no special ids) | TTFT p50 ms | TTFT p90 ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, x in v.items():
         rows.append(
-            "| %s | %.1f | %.1f | %s | %d | %s | %s | %s | %s | %s | %.1f | %.1f |"
+            "| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |"
             % (
                 k,
-                x["recomputed_tokens_per_request"],
-                x["ideal_tokens_per_request"],
-                _fmt(x["suffix_tokens_per_request"], "%.1f"),
-                x["recomputed_minus_ideal_max"],
-                _fmt(x["answer_tokens_hit_ratio"]),
-                _fmt(x["answer_tokens_hit_ratio_metric"]),
-                _fmt(x["retokenized_differs_ratio"]),
-                _fmt(x["retokenized_differs_ratio_client"]),
-                _fmt(x["retokenized_differs_ratio_nonspecial"]),
-                x["ttft_p50_ms"],
-                x["ttft_p90_ms"],
+                x.get("repeat_count", 1),
+                spread(x, "recomputed_tokens_per_request"),
+                spread(x, "ideal_tokens_per_request"),
+                spread(x, "suffix_tokens_per_request"),
+                spread(x, "recomputed_minus_ideal_max", spec="%d"),
+                spread(x, "answer_tokens_hit_ratio", spec="%.3f"),
+                spread(x, "answer_tokens_hit_ratio_metric", spec="%.3f"),
+                spread(x, "retokenized_differs_ratio", spec="%.3f"),
+                spread(x, "retokenized_differs_ratio_client", spec="%.3f"),
+                spread(x, "retokenized_differs_ratio_nonspecial", spec="%.3f"),
+                spread(x, "ttft_p50_ms"),
+                spread(x, "ttft_p90_ms"),
             )
         )
     rows += [
@@ -391,17 +393,17 @@ def _write(path: Path, out: dict[str, Any]) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for k, x in v.items():
-        for y in x["per_round"]:
+        for i, y in enumerate(x["per_round"]):
             rows.append(
-                "| %s | %d | %.1f | %.1f | %s | %.1f | %.1f |"
+                "| %s | %d | %s | %s | %s | %s | %s |"
                 % (
                     k,
                     y["round"],
-                    y["recomputed_tokens_per_request"],
-                    y["ideal_tokens_per_request"],
-                    _fmt(y["answer_tokens_hit_ratio"]),
-                    y["ttft_p50_ms"],
-                    y["ttft_p90_ms"],
+                    spread(x, "per_round", i, "recomputed_tokens_per_request"),
+                    spread(x, "per_round", i, "ideal_tokens_per_request"),
+                    spread(x, "per_round", i, "answer_tokens_hit_ratio", spec="%.3f"),
+                    spread(x, "per_round", i, "ttft_p50_ms"),
+                    spread(x, "per_round", i, "ttft_p90_ms"),
                 )
             )
-    path.with_suffix(".md").write_text("\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"

@@ -39,20 +39,21 @@ _NOT_CODE = (":(exclude)bench/results", ":(exclude)*.md", ":(exclude)*.png")
 _REPO = Path(__file__).resolve().parent.parent
 
 
-def _git(*args: str) -> str:
+def _git(*args: str, repo: Path = _REPO) -> str:
     try:
-        done = subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return ""
     return done.stdout.strip() if done.returncode == 0 else ""
 
 
-def git_state() -> tuple[str, bool]:
-    """(HEAD's full commit hash, whether code differs from it); ("", True) outside a checkout."""
-    commit = _git("rev-parse", "HEAD")
+def git_state(repo: Path = _REPO) -> tuple[str, bool]:
+    """(HEAD's full commit hash, whether code differs from it: tracked changes or
+    untracked files outside results and prose); ("", True) outside a checkout."""
+    commit = _git("rev-parse", "HEAD", repo=repo)
     if not commit:
         return "", True
-    status = _git("status", "--porcelain", "--untracked-files=normal", "--", ".", *_NOT_CODE)
+    status = _git("status", "--porcelain", "--untracked-files=normal", "--", ".", *_NOT_CODE, repo=repo)
     return commit, bool(status)
 
 

@@ -10,8 +10,8 @@ provenance record, and returns the median of every numeric field with ``min``,
 The median fields sit at the top so code reading one run's fields reads the
 median unchanged; budgets are judged on them. How leaves combine
 (``aggregate``): numbers by median / min / max, booleans by ``all`` (a flag
-holds only if it held in every repeat), equal-length lists of numbers element
-by element, dicts key by key (keys present in every repeat), anything else
+holds only if it held in every repeat), equal-length lists of numbers or dicts
+element by element, dicts key by key (keys present in every repeat), anything else
 kept only when every repeat has the same value (per-request rows stay in
 ``repeats``). No best-of-N anywhere.
 """
@@ -28,6 +28,9 @@ from tqdm import tqdm
 from bench import provenance
 
 _MISSING = object()
+
+#: keys whose values stay per repeat only (per-request rows, time series)
+PER_REPEAT_ONLY = frozenset({"requests", "samples", "provenance"})
 
 
 def summary(values: Sequence[float]) -> dict[str, Any]:
@@ -49,7 +52,7 @@ def _combine(values: list[Any], how: Callable[[list[float]], float]) -> Any:
     if all(isinstance(v, dict) for v in values):
         out = {}
         for k in first:
-            if all(k in v for v in values):
+            if k not in PER_REPEAT_ONLY and all(k in v for v in values):
                 got = _combine([v[k] for v in values], how)
                 if got is not _MISSING:
                     out[k] = got
@@ -60,6 +63,13 @@ def _combine(values: list[Any], how: Callable[[list[float]], float]) -> Any:
         and all(_is_num(x) for v in values for x in v)
     ):
         return [how([float(v[i]) for v in values]) for i in range(len(first))]
+    if (
+        all(isinstance(v, list) for v in values)
+        and len({len(v) for v in values}) == 1
+        and all(isinstance(x, dict) for v in values for x in v)
+    ):
+        rows = [_combine([v[i] for v in values], how) for i in range(len(first))]
+        return rows if all(r is not _MISSING for r in rows) else _MISSING
     if all(v == first for v in values):
         return first
     return _MISSING

@@ -121,3 +121,27 @@ def plot_grouped(path: Path, panels: dict[str, dict[str, dict[str, float]]], tit
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _dig(d: Any, path: tuple[str | int, ...]) -> Any:
+    for k in path:
+        if isinstance(k, int) and isinstance(d, list) and -len(d) <= k < len(d):
+            d = d[k]
+        elif isinstance(k, str) and isinstance(d, dict) and k in d:
+            d = d[k]
+        else:
+            return None
+    return d
+
+
+def spread(v: dict[str, Any], *path: str | int, spec: str = "%.1f") -> str:
+    """The median at ``v[path]`` (``spec``), followed by ``(min-max)`` of the repeats
+    when they differ, e.g. ``842.8 (800.1-901.3)``; ``-`` when absent."""
+    med = _dig(v, path)
+    if med is None:
+        return "-"
+    text = spec % med
+    low, high = _dig(v.get("min"), path), _dig(v.get("max"), path)
+    if low is not None and high is not None and (spec % low != text or spec % high != text):
+        text += " (%s-%s)" % (spec % low, spec % high)
+    return text

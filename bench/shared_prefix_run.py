@@ -11,6 +11,7 @@ each phase.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import json
 import tempfile
@@ -22,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from bench.report import previous_variants
+from bench.repeats import measure_variants
+from bench.report import previous_variants, spread
 from bench.shared_prefix import (
     COUNTING,
     KINDS,
@@ -36,6 +38,7 @@ from bench.shared_prefix import (
     ideal_tokens,
     summarize,
 )
+from bench.vllm_direct import vllm_venv
 
 
 def native_chat_encoder() -> ChatEncoder:
@@ -201,8 +204,6 @@ def _vllm_server(venv: Path, tmp: Path, unit: int, max_model_len: int) -> tuple[
 
 
 def _run_vllm(plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
-    from bench.vllm_direct import vllm_venv
-
     venv = vllm_venv()
     if venv is None:
         raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
@@ -224,35 +225,33 @@ def _run_vllm(plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[st
 
 
 def run(
-    json_path: Path, quick: bool, only: list[str] | None = None, overrides: dict[str, int] | None = None
+    json_path: Path,
+    quick: bool,
+    only: list[str] | None = None,
+    overrides: dict[str, int] | None = None,
+    repeats: int = 1,
 ) -> dict[str, Any]:
     """Run the variants (all, or ``only`` these, merged into the same workload's
-    earlier results in ``json_path``) and write JSON + PNG + markdown.
+    earlier results in ``json_path``), each ``repeats`` times interleaved (medians
+    published, every repeat kept), and write JSON + PNG + markdown.
     ``overrides`` replace workload fields (``--workload``)."""
-    import os
-
     from launch.stack_process import StackProcess
 
     w = dataclasses.replace(QUICK if quick else Workload(), **(overrides or {}))
     plan = build_plan(w, native_chat_encoder())
-    results: dict[str, Any] = {}
-    notes: dict[str, str] = {}
-    load_before = os.getloadavg()[0]
-    for name, args in variants(w).items():
-        if only and name not in only:
-            continue
+
+    def one(name: str, args: list[str]) -> dict[str, Any]:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
-            try:
-                if name == "vllm-direct":
-                    results[name] = _run_vllm(plan, w, Path(tmp))
-                else:
-                    with StackProcess(Path(tmp), args) as st:
-                        results[name] = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
-            except FileNotFoundError as exc:
-                notes[name] = "left out: %s" % exc
-                continue
-        results[name]["wall_s"] = time.monotonic() - t0
+            if name == "vllm-direct":
+                got = _run_vllm(plan, w, Path(tmp))
+            else:
+                with StackProcess(Path(tmp), args) as st:
+                    got = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
+        return {**got, "wall_s": time.monotonic() - t0}
+
+    fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
+    results, notes = measure_variants(fns, repeats, {"vllm-direct": vllm_venv()} if "vllm-direct" in fns else {})
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
     out = {
@@ -262,7 +261,6 @@ def run(
         "variants": results,
         "checks": checks(results),
         "notes": notes,
-        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
     }
     _write(json_path, out)
     return out
@@ -296,28 +294,35 @@ def _write(path: Path, out: dict[str, Any]) -> None:
         },
         "shared prefix, u = %d, B = %d%s" % (w["unit"], w["mamba_block_size"], " (--quick)" if out["quick"] else ""),
     )
+    path.with_suffix(".md").write_text(markdown(out))
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The per-variant, per-phase table of a run's JSON: medians of the repeats
+    (min-max where they differ)."""
+    v = out["variants"]
+    phases = ["%s_%s" % (ph, k) for ph in PHASES for k in KINDS]
     counters = sorted({x["state_bytes_counter"] for x in v.values() if x.get("state_bytes_counter")})
     rows = [
-        "| variant | phase | cached | ideal | cached / ideal | (all requests) | TTFT p50 ms | TTFT p90 ms"
+        "| variant | repeats | phase | cached | ideal | cached / ideal | (all requests) | TTFT p50 ms | TTFT p90 ms"
         " | %s B / cached token |" % ("/".join(counters) or "state"),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, x in v.items():
         for p in phases:
-            y = x["phases"][p]
-            per = y["state_bytes_per_cached_token"]
             rows.append(
-                "| %s | %s | %d | %d | %.3f | %.3f | %.1f | %.1f | %s |"
+                "| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s |"
                 % (
                     k,
+                    x.get("repeat_count", 1),
                     p,
-                    y["cached_tokens"],
-                    y["ideal_tokens"],
-                    y["hit_ratio"],
-                    y["hit_ratio_all"],
-                    y["ttft_p50_ms"],
-                    y["ttft_p90_ms"],
-                    "-" if per is None else "%.0f" % per,
+                    spread(x, "phases", p, "cached_tokens", spec="%d"),
+                    spread(x, "phases", p, "ideal_tokens", spec="%d"),
+                    spread(x, "phases", p, "hit_ratio", spec="%.3f"),
+                    spread(x, "phases", p, "hit_ratio_all", spec="%.3f"),
+                    spread(x, "phases", p, "ttft_p50_ms"),
+                    spread(x, "phases", p, "ttft_p90_ms"),
+                    spread(x, "phases", p, "state_bytes_per_cached_token", spec="%.0f"),
                 )
             )
-    path.with_suffix(".md").write_text("\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"

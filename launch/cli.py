@@ -219,8 +219,20 @@ def _echo_report(json_path: str, out: dict[str, Any]) -> None:
     help="Override the workload: streams, start, step, end, max_tokens, unit, mamba_block_size, seed"
     " (e.g. --workload start=120000 --workload end=164000 --workload step=2000 --workload unit=128).",
 )
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
+)
 def bench_growing_streams(
-    json_path: str | None, quick: bool, url: str | None, variants: tuple[str, ...], workload: tuple[str, ...]
+    json_path: str | None,
+    quick: bool,
+    url: str | None,
+    variants: tuple[str, ...],
+    workload: tuple[str, ...],
+    repeats: int,
 ) -> None:
     """Long prompts growing every round, in several caching/routing variants."""
     from pathlib import Path
@@ -231,7 +243,7 @@ def bench_growing_streams(
         json_path = "bench/results/growing_streams_quick.json" if quick else "bench/results/growing_streams.json"
 
     overrides = _workload_overrides(growing_streams.Workload.__dataclass_fields__, workload)
-    out = growing_streams.run(Path(json_path), quick, url, list(variants) or None, overrides)
+    out = growing_streams.run(Path(json_path), quick, url, list(variants) or None, overrides, repeats)
     _echo_report(json_path, out)
 
 
@@ -260,8 +272,15 @@ def bench_growing_streams(
     help="Override the workload (bench/shared_prefix.py Workload: conversations, system_tokens, ...,"
     " unit, mamba_block_size, seed), e.g. --workload mamba_block_size=16.",
 )
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
+)
 def bench_shared_prefix(
-    json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...]
+    json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...], repeats: int
 ) -> None:
     """Fan-out, agent-tree and multi-turn prompts: cached tokens against the ideal, per checkpoint policy."""
     from pathlib import Path
@@ -271,7 +290,7 @@ def bench_shared_prefix(
     if json_path is None:  # a --quick run never overwrites the full run's results
         json_path = "bench/results/shared_prefix_quick.json" if quick else "bench/results/shared_prefix.json"
     overrides = _workload_overrides(shared_prefix.Workload.__dataclass_fields__, workload)
-    out = shared_prefix_run.run(Path(json_path), quick, list(variants) or None, overrides)
+    out = shared_prefix_run.run(Path(json_path), quick, list(variants) or None, overrides, repeats)
     _echo_report(json_path, out)
 
 
@@ -300,7 +319,16 @@ def bench_shared_prefix(
     help="Override the workload (bench/multi_turn.py Workload: users, rounds, system_tokens, message_tokens_min,"
     " message_tokens_max, answer_tokens, think_ms, unit, mamba_block_size, seed), e.g. --workload answer_tokens=256.",
 )
-def bench_multi_turn(json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...]) -> None:
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
+)
+def bench_multi_turn(
+    json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...], repeats: int
+) -> None:
     """Multi-round chat (LMCache's multi-round QA shape): recomputed prompt tokens against the
     ideal per round, with and without answer checkpoints."""
     from pathlib import Path
@@ -310,7 +338,7 @@ def bench_multi_turn(json_path: str | None, quick: bool, variants: tuple[str, ..
     if json_path is None:  # a --quick run never overwrites the full run's results
         json_path = "bench/results/multi_turn_quick.json" if quick else "bench/results/multi_turn.json"
     overrides = _workload_overrides(multi_turn.Workload.__dataclass_fields__, workload)
-    out = multi_turn_run.run(Path(json_path), quick, list(variants) or None, overrides)
+    out = multi_turn_run.run(Path(json_path), quick, list(variants) or None, overrides, repeats)
     _echo_report(json_path, out)
 
 

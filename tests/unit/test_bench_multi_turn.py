@@ -100,42 +100,68 @@ def test_summarize_without_router_counters() -> None:
     assert summarize(rows)["answer_tokens_hit_ratio_metric"] is None
 
 
-def _variant(records: list[dict], started: str = "t0", **extra: Any) -> dict:
-    return {**summarize(records), "run_started": started, **extra}
+def _prov(started: float, commit: str = "c0", dirty: bool = False) -> dict:
+    return {"commit": commit, "dirty": dirty, "started": started, "ended": started + 30.0}
+
+
+def _variant(records: list[dict], started: float = 0.0, commit: str = "c0", **extra: Any) -> dict:
+    """One repeat as bench.repeats.measure_variants records it."""
+    one = {**summarize(records), **extra, "provenance": _prov(started, commit)}
+    return {**one, "repeats": [one], "repeat_count": 1, "provenance": [one["provenance"]]}
 
 
 def test_checks_done_when() -> None:
     u = 16
     cached = [rec(1, 1, 278, 0), rec(1, 2, 460, 400), rec(1, 3, 642, 576)]  # 60 <= 54 + 16; 66 <= 54 + 16
     prompt_only = [rec(1, 1, 278, 0), rec(1, 2, 460, 272), rec(1, 3, 642, 448)]  # 188 >= 54 + 128; 194 >= 182
-    v = {"answers-cached": _variant(cached), "prompt-only": _variant(prompt_only)}
+    v = {"answers-cached": _variant(cached), "prompt-only": _variant(prompt_only, started=40.0)}
     out = checks(v, u)
     assert out["answers_cached_ok"] and out["answers_cached_over_bound"] == []
+    # the hits are where the protocol puts the answer checkpoints: (278 + 128 - 1) // 16 * 16 = 400, then 576
+    assert out["answers_cached_hits_protocol"] and out["answers_cached_hit_not_predicted"] == []
     assert out["prompt_only_recomputes_answer"] and out["same_run"] and out["done_when"]
-    # one unit plus one token over the ideal: fails, named
+    # one unit plus one token over the ideal: fails, named; and the hit is not the protocol's
     over = [rec(1, 1, 278, 0), rec(1, 2, 460, 389), rec(1, 3, 642, 576)]  # 71 > 54 + 16
     out = checks({**v, "answers-cached": _variant(over)}, u)
-    assert not out["answers_cached_ok"] and out["answers_cached_over_bound"] == ["user1/round2"]
+    assert not out["answers_cached_ok"] and out["answers_cached_over_bound"] == ["repeat 1: user1/round2"]
+    assert out["answers_cached_hit_not_predicted"] == ["repeat 1: user1/round2: cached 389, protocol 400"]
     assert not out["done_when"]
+    # a hit past the checkpoint the protocol allows is as wrong as one short of it
+    more = [rec(1, 1, 278, 0), rec(1, 2, 460, 416), rec(1, 3, 642, 576)]
+    assert not checks({**v, "answers-cached": _variant(more)}, u)["answers_cached_hits_protocol"]
     # prompt-only hitting part of the answer is not recomputing it
     partial = [rec(1, 1, 278, 0), rec(1, 2, 460, 288), rec(1, 3, 642, 448)]  # 172 < 182
-    out = checks({**v, "prompt-only": _variant(partial)}, u)
-    assert out["prompt_only_not_recomputing_answer"] == ["user1/round2"] and not out["done_when"]
-    # from different runs (a --variant rerun merged into older results)
-    out = checks({**v, "prompt-only": _variant(prompt_only, started="t1")}, u)
+    out = checks({**v, "prompt-only": _variant(partial, started=40.0)}, u)
+    assert out["prompt_only_not_recomputing_answer"] == ["repeat 1: user1/round2"] and not out["done_when"]
+    # from different runs (a --variant rerun merged hours later), or another commit, or a dirty tree
+    out = checks({**v, "prompt-only": _variant(prompt_only, started=7200.0)}, u)
     assert not out["same_run"] and not out["done_when"]
-    # answers-cached against nocache of the same run: the same greedy answers
+    assert not checks({**v, "prompt-only": _variant(prompt_only, started=40.0, commit="c1")}, u)["same_run"]
+    dirty = _variant(prompt_only, started=40.0)
+    dirty["provenance"][0]["dirty"] = True
+    assert not checks({**v, "prompt-only": dirty}, u)["same_run"]
+    # answers-cached against nocache of the same commit: the same greedy answers
     texts = [dict(r, answer_text="a%d" % i) for i, r in enumerate(cached)]
     nc = _variant([dict(r, cached_tokens=0) for r in texts])
     assert checks({**v, "answers-cached": _variant(texts), "nocache": nc}, u)["answers_cached_outputs_equal_nocache"]
-    nc["requests"][2]["answer_text"] = "other"
+    nc["repeats"][0]["requests"][2]["answer_text"] = "other"
     assert not checks({**v, "answers-cached": _variant(texts), "nocache": nc}, u)[
         "answers_cached_outputs_equal_nocache"
     ]
-    # the router's hit count against usage's
-    m = _variant(cached, answer_tokens_metric={"hit": 245, "recomputed": 11}, answer_hit_tokens=245)
-    assert checks({"answers-cached": m}, u)["answers_cached_metric_hit_equals_usage"]
-    assert "done_when" not in checks({"answers-cached": m}, u)
+    # no done_when without prompt-only
+    assert "done_when" not in checks({"answers-cached": _variant(cached)}, u)
+
+
+def test_checks_every_repeat() -> None:
+    """A per-request bound must hold in every repeat, not in the median."""
+    u = 16
+    good = [rec(1, 1, 278, 0), rec(1, 2, 460, 400), rec(1, 3, 642, 576)]
+    bad = [rec(1, 1, 278, 0), rec(1, 2, 460, 389), rec(1, 3, 642, 576)]
+    reps = [_variant(x, started=40.0 * i)["repeats"][0] for i, x in enumerate((good, bad, good))]
+    ac = {**summarize(good), "repeats": reps, "repeat_count": 3, "provenance": [r["provenance"] for r in reps]}
+    out = checks({"answers-cached": ac}, u)
+    assert out["repeats_checked"] == 3 and not out["answers_cached_ok"]
+    assert out["answers_cached_over_bound"] == ["repeat 2: user1/round2"]
 
 
 def test_shared_round1() -> None:
