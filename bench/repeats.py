@@ -19,7 +19,7 @@ kept only when every repeat has the same value (per-request rows stay in
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +120,9 @@ def provenances(variants: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def measure_variants(
-    fns: dict[str, Callable[[], dict[str, Any]]],
+    fns: Mapping[str, Callable[[], dict[str, Any]]],
     repeats: int,
-    vllm_venvs: dict[str, Path | None] | None = None,
+    vllm_venvs: Mapping[str, Path | None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Run every variant ``repeats`` times, interleaved (A B C, A B C, ...: a slow
     minute of the machine falls on every variant, not on one), each repeat with
