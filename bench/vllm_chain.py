@@ -1,31 +1,54 @@
-"""vLLM 0.32's block-hash chain, computed the way vLLM computes it: the
-baseline of ``python -m bench.hashing`` and ``hybridpd bench router``.
+"""The baseline of ``hybridpd bench router`` and ``python -m bench.hashing``:
+vLLM's own block hashing where vLLM is importable, else a copy of it, and
+always labelled as what it is.
 
-vLLM hashes a request's blocks one at a time with ``hash_block_tokens``
-(``vllm/v1/core/kv_cache_utils.py``)::
+``baseline(tokens, unit, seed, algo)`` returns a ``Baseline`` whose ``chain()``
+hashes every full block of ``tokens`` (no salt, no adapter) from scratch:
 
-    if not parent_block_hash:
-        parent_block_hash = NONE_HASH
-    curr_block_token_ids_tuple = tuple(curr_block_token_ids)
-    return BlockHash(hash_function((parent_block_hash, curr_block_token_ids_tuple, extra_keys)))
+* ``kind = "vllm"`` (the vLLM environment, ``.venv-vllm``): vLLM's request
+  block hasher, ``vllm.v1.core.kv_cache_utils.get_request_block_hasher(unit,
+  sha256_cbor)`` (or ``xxhash_cbor``, both from ``vllm.utils.hashing``),
+  applied to a ``vllm.v1.request.Request`` of the tokens built without a
+  hasher, as ``tests/vllm/test_hash_equality.py`` builds one. That call is
+  what vLLM runs for a new request's blocks (``Request.update_block_hashes``
+  at construction): per block ``generate_block_hash_extra_keys``, a slice of
+  ``request.all_token_ids`` and ``hash_block_tokens``. Building the
+  ``Request`` is outside the timed call. ``NONE_HASH`` is set by vLLM's own
+  ``init_none_hash`` with ``PYTHONHASHSEED`` = our seed.
+* ``kind = "copy"`` (vLLM not importable, e.g. the main ``.venv``): this
+  module's copy of vLLM 0.32's ``hash_block_tokens`` loop, quoted below, with
+  ``hashlib`` / ``xxhash`` over ``cbor2.dumps(..., canonical=True)``, without
+  the request bookkeeping around it (so, if anything, faster than vLLM)::
 
-with ``hash_function = sha256_cbor`` (``hashlib.sha256(cbor2.dumps(obj,
-canonical=True)).digest()``) or ``xxhash_cbor``. Reproduced here without the
-request bookkeeping around it (vLLM's per-block ``generate_block_hash_extra_keys``
-and the list slicing of ``request.all_token_ids`` add to its time), so this
-baseline is, if anything, faster than vLLM itself.
+      if not parent_block_hash:
+          parent_block_hash = NONE_HASH
+      curr_block_token_ids_tuple = tuple(curr_block_token_ids)
+      return BlockHash(hash_function((parent_block_hash, curr_block_token_ids_tuple, extra_keys)))
+
+Callers assert ``chain()`` equals ``BlockHasher.chain`` before timing it.
+``Baseline.describe()`` is what goes into a result JSON (``baseline``):
+``{"kind": "vllm", "vllm_version": ..., "function": ...}`` or
+``{"kind": "copy", "vllm_version": None, "function": ..., "copy_of": ...}``;
+``label(d)`` is how printed lines and plots name it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import cbor2
 import xxhash
 
 from hybridpd.hashing import HashAlgo
+
+#: what the copy reproduces (``describe()["copy_of"]``)
+COPY_OF = "vLLM 0.32 vllm.v1.core.kv_cache_utils.hash_block_tokens"
+COPY_LABEL = "copy of vLLM's hash_block_tokens"
 
 
 def sha256_cbor(obj: Any) -> bytes:
@@ -58,7 +81,7 @@ def hash_block_tokens(
 def vllm_chain(
     tokens: Sequence[int], unit: int, none_hash: bytes, algo: HashAlgo = HashAlgo.SHA256_CBOR
 ) -> list[bytes]:
-    """The chain of every full block of ``tokens`` (no salt, no adapter), block by block."""
+    """The copy: the chain of every full block of ``tokens`` (no salt, no adapter), block by block."""
     fn = HASH_FUNCTIONS[HashAlgo(algo)]
     out: list[bytes] = []
     prev: bytes | None = None
@@ -66,3 +89,83 @@ def vllm_chain(
         prev = hash_block_tokens(fn, prev, tokens[start : start + unit], none_hash)
         out.append(prev)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """A baseline chain over fixed tokens. ``chain()`` is the timed call."""
+
+    kind: str  # "vllm" | "copy"
+    function: str
+    vllm_version: str | None
+    chain: Callable[[], list[bytes]]
+
+    def describe(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": self.kind, "vllm_version": self.vllm_version, "function": self.function}
+        if self.kind == "copy":
+            d["copy_of"] = COPY_OF
+        return d
+
+
+def label(described: dict[str, Any]) -> str:
+    """How a baseline (``Baseline.describe()``) is named in printed lines, plots and tables."""
+    if described.get("kind") == "vllm":
+        return "vLLM %s's own hasher" % (described.get("vllm_version") or "?")
+    return COPY_LABEL
+
+
+@contextlib.contextmanager
+def _hash_seed(seed: str) -> Iterator[None]:
+    old = os.environ.get("PYTHONHASHSEED")
+    os.environ["PYTHONHASHSEED"] = seed
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONHASHSEED"]
+        else:
+            os.environ["PYTHONHASHSEED"] = old
+
+
+def _vllm(tokens: list[int], unit: int, seed: str, algo: HashAlgo) -> Baseline | None:
+    try:
+        import vllm
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils import hashing as vllm_hashing
+        from vllm.v1.core import kv_cache_utils
+        from vllm.v1.request import Request
+    except ImportError:
+        return None
+    fn = {HashAlgo.SHA256_CBOR: vllm_hashing.sha256_cbor, HashAlgo.XXHASH_CBOR: vllm_hashing.xxhash_cbor}[algo]
+    with _hash_seed(seed):  # vLLM's NONE_HASH = fn(PYTHONHASHSEED)
+        kv_cache_utils.init_none_hash(fn)
+    hasher = kv_cache_utils.get_request_block_hasher(unit, fn)
+    request = Request("bench-baseline", tokens, SamplingParams(max_tokens=1), None)
+
+    def chain() -> list[bytes]:
+        return [bytes(h) for h in hasher(request)]
+
+    function = "vllm.v1.core.kv_cache_utils.get_request_block_hasher(%d, vllm.utils.hashing.%s)(Request)" % (
+        unit,
+        algo.value,
+    )
+    return Baseline("vllm", function, str(vllm.__version__), chain)
+
+
+def baseline(
+    tokens: Sequence[int], unit: int, seed: str, algo: HashAlgo = HashAlgo.SHA256_CBOR, allow_vllm: bool = True
+) -> Baseline:
+    """vLLM's own request block hasher over ``tokens`` where vLLM imports (and
+    ``allow_vllm``), else the copy. ``seed`` is the ``BlockHasher`` seed."""
+    algo = HashAlgo(algo)
+    as_list = [int(t) for t in tokens]
+    got = _vllm(as_list, unit, seed, algo) if allow_vllm else None
+    if got is not None:
+        return got
+    none_hash = HASH_FUNCTIONS[algo](seed)
+    return Baseline(
+        "copy",
+        "bench.vllm_chain.vllm_chain (hashlib/xxhash + cbor2, %s)" % algo.value,
+        None,
+        lambda: vllm_chain(as_list, unit, none_hash, algo),
+    )
