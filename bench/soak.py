@@ -10,10 +10,15 @@ Every response is checked: HTTP 200, a finish reason, exactly ``max_tokens``
 tokens for ``length`` (at most that for ``stop``: ``ignore_eos`` ignores EOS,
 not the chat template's stop token), usage matching the tokens, a stream that ends with ``[DONE]``, and the same
 tokens every time the same prompt comes back (caching under load must not
-change answers). A sampler records the RSS of the router and of every actor
-process, and pool accounting, every few seconds. At the end it waits for every
-pool to be back to all-free and reports RSS growth from the first sample
-after warm-up to the last.
+change answers). At the end a sample of the distinct prompts is run again on
+a reference: the native engine in this process with prefix caching off, one
+request at a time (a plain full-recompute run), and every sampled answer must
+equal it token for token (``reference_mismatches``; exact where fp32 matmul
+rows are batch-invariant, which ``reference_row_invariant`` records). A
+sampler records the RSS of the router and of every actor process, and pool
+accounting, every few seconds. At the end it waits for every pool to be back
+to all-free and reports RSS growth from the first sample after warm-up to the
+last.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class SoakConfig:
     max_tokens: tuple[int, ...] = (4, 8, 16, 32)
     sample_every_s: float = 5.0
     seed: int = 0
+    #: distinct prompts whose answers are compared with a no-cache run of the same prompt
+    reference_sample: int = 32
 
 
 class _Workload:
@@ -124,6 +131,7 @@ class _Recorder:
         self.failures: list[str] = []
         self.inconsistent: list[str] = []
         self.answers: dict[str, list[int]] = {}
+        self.bodies: dict[str, dict[str, Any]] = {}
         self.ttft_ms: list[float] = []
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -143,6 +151,7 @@ class _Recorder:
                 )
                 return
             first = self.answers.setdefault(key, ids)
+            self.bodies.setdefault(key, body)
             if first != ids:
                 self.inconsistent.append(key)
             self.ok += 1
@@ -150,6 +159,49 @@ class _Recorder:
             self.prompt_tokens += usage["prompt_tokens"]
             self.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
             self.completion_tokens += usage["completion_tokens"]
+
+
+def reference_check(rec: _Recorder, cfg: SoakConfig, model: str = "tiny") -> dict[str, Any]:
+    """Run a seeded sample of the distinct prompts on the native engine in this
+    process with prefix caching off, one at a time (EAGLE off: its output equals
+    plain decoding), and compare each with the first answer the stack gave."""
+    import torch
+
+    from hybridpd.config import load_config
+    from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+    from hybridpd.engine.native.engine import NativeEngine
+    from hybridpd.engine.native.ops import row_invariance_problem
+    from hybridpd.engine.native.tiny import resolve_model_dir
+    from hybridpd.tokenizer import ChatMessage, TextTokenizer
+
+    keys = sorted(rec.answers)
+    sample = sorted(random.Random(cfg.seed).sample(keys, min(cfg.reference_sample, len(keys))))
+    engine = NativeEngine(load_config(env={}, overrides={"model": model, "enable_prefix_caching": False}))
+    tok = TextTokenizer(resolve_model_dir(model))
+    mismatches = []
+    try:
+        for i, key in enumerate(tqdm(sample, desc="no-cache reference", unit="prompt")):
+            body = rec.bodies[key]
+            if "messages" in body:
+                prompt = tok.apply_chat_template([ChatMessage(m["role"], m["content"]) for m in body["messages"]])
+            else:
+                prompt = list(body["prompt"])
+            sp = SamplingParams(max_tokens=body["max_tokens"], ignore_eos=True)
+            rid = RequestId("soak-ref-%d" % i)
+            want = engine.generate([EngineRequest(rid, tuple(prompt), sp)])[rid]
+            if want != rec.answers[key]:
+                mismatches.append(key)
+    finally:
+        engine.close()
+    problem = row_invariance_problem(torch.float32)
+    return {
+        "reference": "native engine in-process, prefix caching off, one request at a time",
+        "reference_sampled": len(sample),
+        "reference_mismatches": len(mismatches),
+        "reference_mismatched_keys": mismatches[:20],
+        "reference_row_invariant": problem is None,
+        "reference_row_invariance_problem": problem,
+    }
 
 
 def _processes(url: str, router_pid: int | None) -> dict[str, int]:
@@ -182,8 +234,9 @@ def _all_free(pools: dict[str, dict[str, int]]) -> bool:
     )
 
 
-def run_soak(url: str, cfg: SoakConfig, router_pid: int | None = None) -> dict[str, Any]:
-    """Soak a running stack at ``url``; returns the JSON-ready result."""
+def run_soak(url: str, cfg: SoakConfig, router_pid: int | None = None, reference: bool = True) -> dict[str, Any]:
+    """Soak a running stack at ``url`` (serving the bundled ``tiny`` model on the
+    defaults when ``reference``); returns the JSON-ready result."""
     work = _Workload(cfg)
     rec = _Recorder()
     pids = _processes(url, router_pid)
@@ -249,19 +302,37 @@ def run_soak(url: str, cfg: SoakConfig, router_pid: int | None = None) -> dict[s
         "rss_mb_end": end["rss_mb"],
         "rss_growth_mb_after_warmup": growth,
         "samples": [{"t_s": s["t_s"] - t_start, "rss_mb": s["rss_mb"]} for s in samples],
+        **(reference_check(rec, cfg) if reference else {"reference": None}),
     }
 
 
 def run(json_path: Path, cfg: SoakConfig, url: str | None = None) -> dict[str, Any]:
     """Soak ``url``, or a stack started for it on the defaults; write JSON + PNG."""
-    if url is not None:
-        out = run_soak(url, cfg)
+    if url is not None:  # another stack's model and settings are unknown here: no reference run
+        out = run_soak(url, cfg, reference=False)
     else:
         with tempfile.TemporaryDirectory(prefix="hybridpd-soak-") as tmp, StackProcess(Path(tmp)) as st:
             assert st.proc is not None
             out = run_soak(st.http, cfg, router_pid=st.proc.pid)
+    out["checks"] = checks(out)
     _write(json_path, out)
     return out
+
+
+def checks(out: dict[str, Any]) -> dict[str, Any]:
+    """Each against its reference: no failed request; repeated prompts answered
+    alike; the sampled answers equal the no-cache reference run (where one ran);
+    every pool back to its all-free baseline."""
+    got = {
+        "no_failures": out["requests_failed"] == 0,
+        "repeats_consistent": out["inconsistent_outputs"] == 0,
+        "pools_back_to_baseline": bool(out["pools_back_to_baseline"]),
+    }
+    if out.get("reference") is not None:
+        got["reference_sampled"] = out["reference_sampled"]
+        got["equal_to_no_cache_reference"] = out["reference_mismatches"] == 0 and out["reference_sampled"] > 0
+    got["ok"] = all(v for k, v in got.items() if isinstance(v, bool))
+    return got
 
 
 def _write(path: Path, out: dict[str, Any]) -> None:

@@ -492,11 +492,17 @@ def bench_soak(json_path: str, minutes: float, streams: int, url: str | None) ->
             out["ttft_p50_ms"],
         )
     )
+    if out.get("reference") is not None:
+        click.echo(
+            "no-cache reference: %d of %d sampled answers differ (fp32 rows batch-invariant here: %s)"
+            % (out["reference_mismatches"], out["reference_sampled"], out["reference_row_invariant"])
+        )
     click.echo(
         "RSS growth after warm-up (MiB): %s" % {k: round(v, 1) for k, v in out["rss_growth_mb_after_warmup"].items()}
     )
+    click.echo("checks: %s" % out["checks"])
     click.echo("wrote %s (+ .png)" % json_path)
-    if out["requests_failed"] or out["inconsistent_outputs"] or not out["pools_back_to_baseline"]:
+    if not out["checks"]["ok"]:
         raise SystemExit(1)
 
 
