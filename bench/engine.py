@@ -5,9 +5,11 @@
 In one run: prefill throughput (prompt tokens / s, max_tokens=1), plain
 decode throughput, and EAGLE decode throughput (k=3) with its mean
 acceptance length at batch 1 and 8; the speedup is EAGLE vs plain decode on
-the same requests, each timed ``--reps`` times alternately (best time kept,
-so a load spike from another process hits neither side alone). Then the mean
-acceptance length at k = 1..5. Decode prompts are held-out text
+the same requests, timed one right after the other. The whole measurement is
+repeated ``--repeats`` times (each repeat with its own provenance); the JSON
+keeps every repeat, and the published figures are the medians (with min and
+max) over the repeats, the speedup being the median of each repeat's paired
+ratio. Then the mean acceptance length at k = 1..5 (deterministic: greedy). Decode prompts are held-out text
 (:mod:`hybridpd.engine.native.corpus`, never trained on); greedy outputs of
 every EAGLE run are checked equal to plain decoding.
 """
@@ -22,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.report import write_report
+from bench.report import spread, write_report
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
@@ -75,62 +77,64 @@ def _run(engine: NativeEngine, prompts: list[tuple[int, ...]], max_tokens: int, 
     return time.perf_counter() - t0, out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", type=Path, default=Path("bench/results/engine.json"))
-    args = ap.parse_args(argv)
-    _MODEL[0] = args.model
-    n_pre, len_pre = (4, 512) if args.quick else (8, 2048)
-    n_dec, len_dec, gen = (4, 64, 32) if args.quick else (8, 128, 128)
-    reps = 1 if args.quick else args.reps
-
-    prefill_prompts = _prompts(n_pre, len_pre, 0)
-    _run(_engine(), _prompts(2, 256, 2), 4, "warm-up")  # first-call costs (allocator, kernels) out of the timings
-    secs, _ = _run(_engine(), prefill_prompts, 1, "prefill")
-    prefill_tps = n_pre * len_pre / secs
-
-    text = _text_prompts(n_dec, len_dec)
-    decode_results: dict[str, dict[str, Any]] = {}
-    plain_outs: dict[int, list[list[int]]] = {}
+def _repeat(n_pre: int, len_pre: int, n_dec: int, gen: int, text: list[tuple[int, ...]]) -> dict[str, Any]:
+    """One repeat: prefill tokens/s, then per batch size plain and EAGLE decode back to back."""
+    secs, _ = _run(_engine(), _prompts(n_pre, len_pre, 0), 1, "prefill")
+    out: dict[str, Any] = {"prefill_tokens_per_s": n_pre * len_pre / secs, "decode": {}}
     for batch in (1, n_dec):
         decode_prompts = text[:batch]
-        plain_times, eagle_times = [], []
-        for rep in range(reps):
-            plain_s, plain_out = _run(_engine(), decode_prompts, gen, "decode-b%d-%d" % (batch, rep))
-            eagle_engine = _engine(eagle=True, num_speculative_tokens=3)
-            eagle_s, eagle_out = _run(eagle_engine, decode_prompts, gen, "eagle-b%d-%d" % (batch, rep))
-            if list(plain_out.values()) != list(eagle_out.values()):
-                raise SystemExit("EAGLE changed greedy outputs: refusing to report")
-            plain_times.append(plain_s)
-            eagle_times.append(eagle_s)
-        plain_outs[batch] = list(plain_out.values())
-        plain_tps, eagle_tps = batch * gen / min(plain_times), batch * gen / min(eagle_times)
-        decode_results["batch_%d" % batch] = {
+        plain_s, plain_out = _run(_engine(), decode_prompts, gen, "decode-b%d" % batch)
+        eagle_engine = _engine(eagle=True, num_speculative_tokens=3)
+        eagle_s, eagle_out = _run(eagle_engine, decode_prompts, gen, "eagle-b%d" % batch)
+        if list(plain_out.values()) != list(eagle_out.values()):
+            raise SystemExit("EAGLE changed greedy outputs: refusing to report")
+        plain_tps, eagle_tps = batch * gen / plain_s, batch * gen / eagle_s
+        out["decode"]["batch_%d" % batch] = {
             "requests": batch,
             "generated_tokens": gen,
             "decode_tokens_per_s": plain_tps,
             "eagle_tokens_per_s": eagle_tps,
             "mean_acceptance_length": eagle_engine.spec.mean_acceptance_length,
             "eagle_speedup_vs_decode": eagle_tps / plain_tps,
-            "decode_seconds": plain_times,
-            "eagle_seconds": eagle_times,
+            "decode_seconds": plain_s,
+            "eagle_seconds": eagle_s,
         }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    from bench.repeats import measure
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--repeats", "--reps", type=int, default=3, help="whole measurements; medians are published")
+    ap.add_argument("--json", type=Path, default=Path("bench/results/engine.json"))
+    args = ap.parse_args(argv)
+    _MODEL[0] = args.model
+    n_pre, len_pre = (4, 512) if args.quick else (8, 2048)
+    n_dec, len_dec, gen = (4, 64, 32) if args.quick else (8, 128, 128)
+
+    _run(_engine(), _prompts(2, 256, 2), 4, "warm-up")  # first-call costs (allocator, kernels) out of the timings
+    text = _text_prompts(n_dec, len_dec)
+    measured = measure(lambda: _repeat(n_pre, len_pre, n_dec, gen, text), args.repeats, "engine")
+    decode_results = measured["decode"]
+    prefill_tps = measured["prefill_tokens_per_s"]
+    _, plain = _run(_engine(), text, gen, "decode-reference")
     by_k: dict[str, float] = {}
     for k in range(1, 6):
         eng = _engine(eagle=True, num_speculative_tokens=k)
         _, out = _run(eng, text, gen, "eagle-k%d" % k)
-        if list(out.values()) != plain_outs[n_dec]:
+        if list(out.values()) != list(plain.values()):
             raise SystemExit("EAGLE (k=%d) changed greedy outputs: refusing to report" % k)
         by_k[str(k)] = eng.spec.mean_acceptance_length
     result = {
         "model": args.model,
-        "prefill": {"requests": n_pre, "prompt_tokens": len_pre, "tokens_per_s": prefill_tps},
-        "decode": decode_results,
-        "eagle": {"num_speculative_tokens": 3, "mean_acceptance_length_by_k": by_k, "prompts": "held-out text"},
         "quick": args.quick,
+        "workload": {"prefill": [n_pre, len_pre], "decode": [n_dec, len_dec, gen]},
+        **measured,
+        "prefill": {"requests": n_pre, "prompt_tokens": len_pre, "tokens_per_s": prefill_tps},
+        "eagle": {"num_speculative_tokens": 3, "mean_acceptance_length_by_k": by_k, "prompts": "held-out text"},
     }
     for name, r in decode_results.items():
         print(
@@ -155,3 +159,40 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The engine tables of a run's JSON: medians over the repeats (min-max where
+    they differ), the EAGLE speed-up as the median of each repeat's paired ratio."""
+    n = out.get("repeat_count", 1)
+    pre = out["prefill"]
+    rows = [
+        "| | tokens/s (median of %d repeats) |" % n,
+        "|---|---|",
+        "| prefill, %d x %d-token prompts | %s |"
+        % (pre["requests"], pre["prompt_tokens"], spread(out, "prefill_tokens_per_s", spec="%.0f")),
+    ]
+    for name, r in out["decode"].items():
+        plural = "s" if r["requests"] > 1 else ""
+        rows.append(
+            "| decode, %d request%s | %s |"
+            % (r["requests"], plural, spread(out, "decode", name, "decode_tokens_per_s"))
+        )
+        rows.append(
+            "| decode + EAGLE, %d request%s | %s (x%s; mean acceptance length %.2f) |"
+            % (
+                r["requests"],
+                plural,
+                spread(out, "decode", name, "eagle_tokens_per_s"),
+                spread(out, "decode", name, "eagle_speedup_vs_decode", spec="%.2f"),
+                r["mean_acceptance_length"],
+            )
+        )
+    by_k = out["eagle"]["mean_acceptance_length_by_k"]
+    rows += [
+        "",
+        "| k (%d requests) | %s |" % (max(r["requests"] for r in out["decode"].values()), " | ".join(by_k)),
+        "|---|%s" % ("---|" * len(by_k)),
+        "| mean acceptance length | %s |" % " | ".join("%.2f" % v for v in by_k.values()),
+    ]
+    return "\n".join(rows) + "\n"

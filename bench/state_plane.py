@@ -8,6 +8,10 @@ Starts a real redis-server and mooncake_master on loopback. Measures:
 - store put/get GB/s of one object, beside a memcpy of the same bytes;
 - NIXL READ GB/s between two processes (decode here, prefill in a child),
   beside a memcpy of the same bytes.
+
+Every throughput is timed ``--repeats`` times (default 5); the JSON keeps each
+repeat and reports the median with min and max (``bench.repeats.summary``);
+the ratios to memcpy are of the medians. The run's provenance is recorded.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from bench import provenance
+from bench.repeats import summary
 from bench.report import write_report
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
@@ -35,11 +41,10 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def _memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
+def _memcpy_gbps(nbytes: int, repeat: int) -> dict[str, Any]:
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(repeat))
-    return nbytes / best / 1e9
+    return summary([nbytes / _timed(lambda: dst.copy_(src)) / 1e9 for _ in range(repeat)])
 
 
 def _timed(fn: Any) -> float:
@@ -62,10 +67,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=Path("bench/results/state_plane.json"))
+    ap.add_argument("--repeats", type=int, default=5, help="timings per throughput; medians are published")
     args = ap.parse_args()
-    n_lookups = 100 if args.quick else 1000
-    nbytes = (16 if args.quick else 64) << 20
-    result: dict[str, Any] = {"quick": args.quick}
+    with provenance.record() as prov:
+        result = measure(args.quick, args.repeats)
+    result["provenance"] = prov.to_dict()
+    print(result)
+    write_report(
+        args.json,
+        result,
+        {
+            "store put": result["store"]["put_gbps"]["median"],
+            "store get": result["store"]["get_gbps"]["median"],
+            "nixl read": result["nixl"]["read_gbps_incl_verify"]["median"],
+            "memcpy": result["store"]["memcpy_gbps"]["median"],
+        },
+        "GB/s (median)",
+        "State plane throughput (loopback, 2-core CPU)",
+    )
+    print("wrote %s" % args.json)
+
+
+def measure(quick: bool, repeats: int) -> dict[str, Any]:
+    """One run of every measurement (each throughput timed ``repeats`` times)."""
+    n_lookups = 100 if quick else 1000
+    nbytes = (16 if quick else 64) << 20
+    result: dict[str, Any] = {"quick": quick, "repeats": repeats}
     with tempfile.TemporaryDirectory() as tmp:
         redis_srv = RedisServer(Path(tmp))
         master = MooncakeMaster(Path(tmp))
@@ -94,18 +121,18 @@ def main() -> None:
                 "redis_ping_p50_ms": statistics.median(ping),
             }
             # -- store
-            store = CheckpointStore(master.address, master.metadata_url, "bench", segment_bytes=4 * nbytes)
+            store = CheckpointStore(master.address, master.metadata_url, "bench", segment_bytes=(repeats + 1) * nbytes)
             blob = torch.ones(nbytes, dtype=torch.uint8)
             puts, gets = [], []
-            for i in range(3):
+            for i in range(repeats):
                 key = "hpd/bench/blob/%d" % i
                 puts.append(_timed(lambda k=key: store.put_objects([(k, "blob", 0, [blob])])))
                 gets.append(_timed(lambda k=key: store.get_objects([k], "blob")))
             result["store"] = {
                 "object_bytes": nbytes,
-                "put_gbps": nbytes / min(puts) / 1e9,
-                "get_gbps": nbytes / min(gets) / 1e9,
-                "memcpy_gbps": _memcpy_gbps(nbytes),
+                "put_gbps": summary([nbytes / t / 1e9 for t in puts]),
+                "get_gbps": summary([nbytes / t / 1e9 for t in gets]),
+                "memcpy_gbps": _memcpy_gbps(nbytes, repeats),
             }
             store.close()
         finally:
@@ -118,7 +145,7 @@ def main() -> None:
     q_out, q_in = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=_nixl_server, args=(nbytes, q_out, q_in))
     proc.start()
-    rounds = 3
+    rounds = repeats
     q_in.put(rounds)
     client = HandoffClient("bench-decode")
     times = []
@@ -129,23 +156,41 @@ def main() -> None:
     proc.join(60)
     result["nixl"] = {
         "bytes": nbytes,
-        "read_gbps_incl_verify": nbytes / min(times) / 1e9,
-        "memcpy_gbps": _memcpy_gbps(nbytes),
+        "read_gbps_incl_verify": summary([nbytes / t / 1e9 for t in times]),
+        "memcpy_gbps": _memcpy_gbps(nbytes, repeats),
     }
-    print(result)
-    write_report(
-        args.json,
-        result,
-        {
-            "store put": result["store"]["put_gbps"],
-            "store get": result["store"]["get_gbps"],
-            "nixl read": result["nixl"]["read_gbps_incl_verify"],
-            "memcpy": result["store"]["memcpy_gbps"],
-        },
-        "GB/s",
-        "State plane throughput (loopback, 2-core CPU)",
+    return result
+
+
+def markdown(out: dict[str, Any]) -> str:
+    """The state-plane table of a run's JSON: medians (min-max) and same-run baselines."""
+    il, st, nx = out["index_lookup"], out["store"], out["nixl"]
+
+    def gbps(x: dict[str, Any], base: dict[str, Any]) -> str:
+        return "%.2f GB/s (%.2f-%.2f; %.3fx memcpy)" % (x["median"], x["min"], x["max"], x["median"] / base["median"])
+
+    mb = st["object_bytes"] >> 20
+    return (
+        "\n".join(
+            [
+                "| | measured (median of %d, min-max) | same-run baseline |" % out["repeats"],
+                "|---|---|---|",
+                "| index lookup, %d hashes, 2 live instances (one EVALSHA) | p50 %.2f ms, p99 %.2f ms"
+                " | Redis PING p50 %.2f ms |" % (il["hashes"], il["p50_ms"], il["p99_ms"], il["redis_ping_p50_ms"]),
+                "| MooncakeStore put, %d MB object | %s | memcpy %.1f GB/s |"
+                % (mb, gbps(st["put_gbps"], st["memcpy_gbps"]), st["memcpy_gbps"]["median"]),
+                "| MooncakeStore get (verified), %d MB | %s | memcpy %.1f GB/s |"
+                % (mb, gbps(st["get_gbps"], st["memcpy_gbps"]), st["memcpy_gbps"]["median"]),
+                "| NIXL READ across processes incl. xxh3 verify, %d MB | %s | memcpy %.1f GB/s |"
+                % (
+                    nx["bytes"] >> 20,
+                    gbps(nx["read_gbps_incl_verify"], nx["memcpy_gbps"]),
+                    nx["memcpy_gbps"]["median"],
+                ),
+            ]
+        )
+        + "\n"
     )
-    print("wrote %s" % args.json)
 
 
 if __name__ == "__main__":
