@@ -138,7 +138,11 @@ def main(argv: list[str] | None = None) -> None:
     problem = cuda_problem(args.device)
     if problem:
         raise SystemExit("--device %s: %s" % (args.device, problem))
-    result = run(args.device, args.dtype, args.streams, args.start, args.grow, args.gen)
+    from bench import provenance
+
+    with provenance.record() as prov:
+        result = run(args.device, args.dtype, args.streams, args.start, args.grow, args.gen)
+    result["provenance"] = prov.to_dict()
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

@@ -17,11 +17,16 @@ at concurrency 1 and 4, and ``prefix_repetition`` (4 prefixes of 2,000
 tokens, 300-token suffixes, 16 output tokens) at concurrency 4, each with
 its own seed (so no run hits the previous run's prompts). The tokenizer is
 the tiny models' shared one. Each run's own result JSON is kept
-beside the summary.
+beside the summary (``<json stem>_runs/<target>/<repeat>/``).
+
+Targets are run ``--repeats`` times, interleaved, each repeat on a freshly
+started target with its own provenance; the summary has every repeat and the
+medians (``bench.repeats``). vLLM's client counts ITL per SSE chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import tempfile
@@ -95,14 +100,15 @@ def bench_serve(venv: Path, url: str, tokenizer: Path, name: str, prompts: int, 
     return {k: res.get(k) for k in KEYS}
 
 
-def run(json_path: Path, quick: bool) -> dict[str, Any]:
+def run(json_path: Path, quick: bool, repeats: int = 3) -> dict[str, Any]:
+    from bench.repeats import measure_variants
+
     venv = vllm_venv()
     if venv is None:
         raise FileNotFoundError("no vLLM environment: run `make bootstrap-vllm` first")
     tokenizer = Path(tiny_model(venv))
     prompts = 8 if quick else 32
     raw_dir = json_path.parent / (json_path.stem + "_runs")
-    results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="hybridpd-vllm-client-") as tmp:
         targets: dict[str, Callable[[], StackProcess | VllmServer]] = {
             "stack-native": lambda: StackProcess(Path(tmp) / "native", ["--max-model-len", "4096"]),
@@ -114,13 +120,23 @@ def run(json_path: Path, quick: bool) -> dict[str, Any]:
             ),
             "vllm-direct": lambda: VllmServer(venv, Path(tmp), 16, 4096),
         }
-        for target, start in targets.items():
-            out_dir = raw_dir / target
+        done: dict[str, int] = dict.fromkeys(targets, 0)
+
+        def one(target: str) -> dict[str, Any]:
+            done[target] += 1
+            out_dir = raw_dir / target / str(done[target])
             out_dir.mkdir(parents=True, exist_ok=True)
-            with start() as srv:
-                results[target] = {
-                    name: bench_serve(venv, srv.http, tokenizer, name, prompts, out_dir) for name in WORKLOADS
-                }
-    out = {"quick": quick, "prompts_per_run": prompts, "results": results}
+            with targets[target]() as srv:
+                return {name: bench_serve(venv, srv.http, tokenizer, name, prompts, out_dir) for name in WORKLOADS}
+
+        fns = {t: functools.partial(one, t) for t in targets}
+        variants, notes = measure_variants(fns, repeats, dict.fromkeys(targets, venv))
+    out = {
+        "quick": quick,
+        "prompts_per_run": prompts,
+        "workloads": list(WORKLOADS),
+        "variants": variants,
+        "notes": notes,
+    }
     write_json(json_path, out)
     return out

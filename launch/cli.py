@@ -441,18 +441,25 @@ def bench_overhead(
     "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/vllm_client.json", show_default=True
 )
 @click.option("--quick", is_flag=True, help="8 prompts per run instead of 32.")
-def bench_vllm_client(json_path: str, quick: bool) -> None:
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Start and measure each target this many times, interleaved; the JSON keeps every repeat.",
+)
+def bench_vllm_client(json_path: str, quick: bool, repeats: int) -> None:
     """`vllm bench serve` against the stack (native, vLLM engine) and plain `vllm serve`."""
     from pathlib import Path
 
     from bench import vllm_client
 
-    out = vllm_client.run(Path(json_path), quick)
-    for target, runs in out["results"].items():
-        for name, r in runs.items():
+    out = vllm_client.run(Path(json_path), quick, repeats)
+    for target, r in out["variants"].items():
+        for name in out["workloads"]:
             keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
-            _latency_row(target, name, tuple(float(r[k] if r[k] is not None else "nan") for k in keys))
-    click.echo("wrote %s" % json_path)
+            _latency_row(target, name, tuple(float(r[name][k] if r[name][k] is not None else "nan") for k in keys))
+    click.echo("medians of %d repeats; wrote %s" % (repeats, json_path))
 
 
 @bench.command("eagle")
