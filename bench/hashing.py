@@ -9,7 +9,8 @@ applied to a ``vllm.v1.request.Request`` of the tokens (``baseline.kind =
 "vllm"``, with ``vllm_version`` and ``function``); where vLLM does not import,
 the copy of its ``hash_block_tokens`` loop (``kind = "copy"``, labelled "copy
 of vLLM's hash_block_tokens"). Both chains must be identical before anything
-is timed.
+is timed. The top-level ``baseline.function`` writes the algorithm as
+``<algorithm>``; each algorithm's ``baseline_function`` names it.
 
 One repeat: per algorithm, ``iterations`` timed chains of ours from an int64
 array and from a list, and every 5th iteration (at least 3 in all) the
@@ -33,7 +34,7 @@ import numpy as np
 from bench import repeats as repeats_mod
 from bench import vllm_chain
 from bench.report import write_report
-from bench.router import baseline_line, field_range
+from bench.router import baseline_line, field_range, repeats_phrase
 from hybridpd.hashing import BlockHasher, HashAlgo
 
 SEED = "bench"
@@ -69,6 +70,7 @@ def _repeat(tokens: np.ndarray, unit: int, iterations: int, allow_vllm: bool) ->
             "baseline_runs": len(theirs),
             "speedup": statistics.median(theirs) / statistics.median(ours),
             "speedup_list_input": statistics.median(theirs) / statistics.median(ours_list),
+            "baseline_function": base.function,
         }
     return {"results": results}
 
@@ -84,6 +86,7 @@ def run(
     """Measure ``repeats`` times; write JSON + PNG + markdown to ``json_path`` (and .png, .md)."""
     ids = np.random.default_rng(0).integers(0, 160_000, size=tokens, dtype=np.int64)
     base = vllm_chain.baseline([1] * unit, unit, SEED, allow_vllm=allow_vllm).describe()
+    base["function"] = base["function"].replace(HashAlgo.SHA256_CBOR.value, "<algorithm>")  # each: baseline_function
     measured = repeats_mod.measure(
         lambda: _repeat(ids, unit, iterations, allow_vllm), repeats, "hashing", uses_vllm=base["kind"] == "vllm"
     )
@@ -101,8 +104,14 @@ def markdown(out: dict[str, Any]) -> str:
     """The README table of a ``run`` result: medians with the repeats' range, and the baseline."""
     name = vllm_chain.label(out["baseline"])
     rows = [
-        "%d repeats of %d timed chains per algorithm, %s tokens at unit %d. %s"
-        % (out["repeat_count"], out["iterations"], f"{out['tokens']:,}", out["unit"], baseline_line(out["baseline"])),
+        "%s of %d timed chains per algorithm, %s tokens at unit %d. %s"
+        % (
+            repeats_phrase(out["repeat_count"]),
+            out["iterations"],
+            f"{out['tokens']:,}",
+            out["unit"],
+            baseline_line(out["baseline"]),
+        ),
         "",
         "| algorithm | blocks | ours (int64 array) ms | ours (list) ms | %s ms | speedup | speedup (list) |" % name,
         "|---|---|---|---|---|---|---|",

@@ -61,7 +61,7 @@ from tqdm import tqdm
 
 from bench import repeats as repeats_mod
 from bench.report import write_report
-from bench.router import budget_check, checks_markdown, field_range
+from bench.router import budget_check, checks_markdown, field_range, repeats_phrase
 from launch.stack_process import StackProcess
 
 #: torch threads in an actor: Ray gives an actor with num_cpus=0 OMP_NUM_THREADS=1
@@ -315,8 +315,14 @@ def markdown(out: dict[str, Any]) -> str:
     """The README tables of a ``run`` result: medians with the repeats' range, and the checks."""
     w = out["workload"]
     rows = [
-        "%d repeats of %d batches per concurrency level and side (%s, %d prompt tokens, %d output tokens)."
-        % (out["repeat_count"], w["batches_per_level"], w["model"], w["prompt_tokens"], w["output_tokens"]),
+        "%s of %d batches per concurrency level and side (%s, %d prompt tokens, %d output tokens)."
+        % (
+            repeats_phrase(out["repeat_count"]),
+            w["batches_per_level"],
+            w["model"],
+            w["prompt_tokens"],
+            w["output_tokens"],
+        ),
         "ITL per token as received (a k-token chunk: one gap, then k - 1 zeros); TPOT per request.",
         "",
         "| side | concurrency | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms"

@@ -207,6 +207,11 @@ def budget_check(values: list[float], budget: float) -> dict[str, Any]:
     }
 
 
+def repeats_phrase(n: int) -> str:
+    """``"1 repeat"``, ``"3 repeats"``."""
+    return "%d repeat%s" % (n, "" if n == 1 else "s")
+
+
 def fmt_range(median: float, low: float, high: float, spec: str = "%.2f") -> str:
     """``"3.05 (2.98-3.20)"``: the median, with the repeats' min-max where they differ as printed."""
     m, lo, hi = spec % median, spec % low, spec % high
@@ -244,15 +249,17 @@ def checks_markdown(checks: dict[str, dict[str, Any]], names: dict[str, str], sp
 
 
 def baseline_line(base: dict[str, Any]) -> str:
-    """One sentence naming the baseline: kind, vLLM version, the function timed."""
+    """One sentence naming the baseline: kind, vLLM version, cbor2 version, the function timed."""
+    cbor2 = ", cbor2 %s" % base["cbor2_version"] if base.get("cbor2_version") else ""
     if base["kind"] == "vllm":
-        return "Baseline: vLLM's own block hashing, vLLM %s, `%s`, in the same process." % (
+        return "Baseline: vLLM's own block hashing, vLLM %s%s, `%s`, in the same process." % (
             base["vllm_version"],
+            cbor2,
             base["function"],
         )
-    return (
-        "Baseline: a copy of vLLM's `hash_block_tokens` loop (`%s`; vLLM not importable in this run)."
-        % (base["function"])
+    return "Baseline: a copy of vLLM's `hash_block_tokens` loop (`%s`%s; vLLM not importable in this run)." % (
+        base["function"],
+        cbor2,
     )
 
 
@@ -261,8 +268,14 @@ def markdown(out: dict[str, Any]) -> str:
     base = out["baseline"]
     name = vllm_chain.label(base)
     rows = [
-        "%d repeats of %d decisions per size (unit %d; one baseline run per %d decisions). %s"
-        % (out["repeat_count"], out["iterations"], out["unit"], out["baseline_every"], baseline_line(base)),
+        "%s of %d decisions per size (unit %d; one baseline run per %d decisions). %s"
+        % (
+            repeats_phrase(out["repeat_count"]),
+            out["iterations"],
+            out["unit"],
+            out["baseline_every"],
+            baseline_line(base),
+        ),
         "",
         "| prompt | blocks | p50 ms | p99 ms | chain p50 ms | lookup p50 ms | %s p50 ms | p50 / baseline"
         " | p99 / baseline |" % name,

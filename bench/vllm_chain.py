@@ -27,8 +27,9 @@ hashes every full block of ``tokens`` (no salt, no adapter) from scratch:
 
 Callers assert ``chain()`` equals ``BlockHasher.chain`` before timing it.
 ``Baseline.describe()`` is what goes into a result JSON (``baseline``):
-``{"kind": "vllm", "vllm_version": ..., "function": ...}`` or
-``{"kind": "copy", "vllm_version": None, "function": ..., "copy_of": ...}``;
+``{"kind": "vllm", "vllm_version": ..., "function": ..., "cbor2_version": ...}`` or
+``{"kind": "copy", "vllm_version": None, "function": ..., "cbor2_version": ..., "copy_of": ...}``
+(either costs mostly ``cbor2.dumps``, so the cbor2 version matters);
 ``label(d)`` is how printed lines and plots name it.
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.metadata
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -101,10 +103,23 @@ class Baseline:
     chain: Callable[[], list[bytes]]
 
     def describe(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"kind": self.kind, "vllm_version": self.vllm_version, "function": self.function}
+        d: dict[str, Any] = {
+            "kind": self.kind,
+            "vllm_version": self.vllm_version,
+            "function": self.function,
+            # vLLM's cost is mostly cbor2.dumps, whose speed differs by version (6.3 ~4x faster than 6.2 here)
+            "cbor2_version": _version("cbor2"),
+        }
         if self.kind == "copy":
             d["copy_of"] = COPY_OF
         return d
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def label(described: dict[str, Any]) -> str:

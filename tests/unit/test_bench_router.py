@@ -30,6 +30,7 @@ def test_copy_baseline_is_labelled_a_copy_and_equals_our_chain() -> None:
         assert base.chain() == BlockHasher(unit=16, algo=algo, seed="bench").chain(_tokens())
         d = base.describe()
         assert d["kind"] == "copy" and d["vllm_version"] is None and "hash_block_tokens" in d["copy_of"]
+        assert d["cbor2_version"]  # the copy's cost is mostly cbor2's
         assert vllm_chain.label(d) == "copy of vLLM's hash_block_tokens"
 
 
@@ -48,6 +49,7 @@ def test_label_names_vllm_and_its_version() -> None:
     assert vllm_chain.label(VLLM) == "vLLM 0.32.0+cpu's own hasher"
     assert "0.32.0+cpu" in router.baseline_line(VLLM) and "get_request_block_hasher" in router.baseline_line(VLLM)
     assert "copy" in router.baseline_line(COPY)
+    assert "cbor2 6.3.0" in router.baseline_line({**VLLM, "cbor2_version": "6.3.0"})
 
 
 def test_budget_check_is_judged_on_the_median() -> None:
