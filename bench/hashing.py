@@ -33,8 +33,8 @@ import numpy as np
 
 from bench import repeats as repeats_mod
 from bench import vllm_chain
-from bench.report import write_report
-from bench.router import baseline_line, field_range, repeats_phrase
+from bench.report import spread, write_report
+from bench.router import baseline_line, legacy_note, repeats_phrase
 from hybridpd.hashing import BlockHasher, HashAlgo
 
 SEED = "bench"
@@ -102,6 +102,9 @@ def run(
 
 def markdown(out: dict[str, Any]) -> str:
     """The README table of a ``run`` result: medians with the repeats' range, and the baseline."""
+    legacy = legacy_note(out, ".venv-vllm/bin/python -m bench.hashing")
+    if legacy:
+        return legacy
     name = vllm_chain.label(out["baseline"])
     rows = [
         "%s of %d timed chains per algorithm, %s tokens at unit %d. %s"
@@ -119,7 +122,7 @@ def markdown(out: dict[str, Any]) -> str:
     for algo, r in out["results"].items():
 
         def f(field: str, spec: str = "%.2f", algo: str = algo) -> str:
-            return field_range(out, ("results", algo, field), spec)
+            return spread(out, "results", algo, field, spec=spec)
 
         rows.append(
             "| {} | {:,} | {} | {} | {} | x{} | x{} |".format(

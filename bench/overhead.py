@@ -60,8 +60,8 @@ import httpx
 from tqdm import tqdm
 
 from bench import repeats as repeats_mod
-from bench.report import write_report
-from bench.router import budget_check, checks_markdown, field_range, repeats_phrase
+from bench.report import spread, write_report
+from bench.router import budget_check, checks_markdown, legacy_note, repeats_phrase
 from launch.stack_process import StackProcess
 
 #: torch threads in an actor: Ray gives an actor with num_cpus=0 OMP_NUM_THREADS=1
@@ -313,6 +313,9 @@ CHECK_NAMES = {
 
 def markdown(out: dict[str, Any]) -> str:
     """The README tables of a ``run`` result: medians with the repeats' range, and the checks."""
+    legacy = legacy_note(out, "hybridpd bench overhead")
+    if legacy:
+        return legacy
     w = out["workload"]
     rows = [
         "%s of %d batches per concurrency level and side (%s, %d prompt tokens, %d output tokens)."
@@ -333,7 +336,7 @@ def markdown(out: dict[str, Any]) -> str:
         for level in levels:
 
             def f(*path: str, spec: str = "%.2f", side: str = side, level: str = level) -> str:
-                return field_range(out, ("results", side, level, *path), spec)
+                return spread(out, "results", side, level, *path, spec=spec)
 
             rows.append(
                 "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |"

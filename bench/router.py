@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from bench import repeats as repeats_mod
 from bench import vllm_chain
-from bench.report import write_report
+from bench.report import spread, write_report
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
@@ -189,7 +189,7 @@ def _redis_cpu_ms(index: PrefixIndex) -> float:
 
 
 # Shared with bench/overhead.py and bench/hashing.py: budgets on medians, and
-# the markdown of medians with the repeats' range.
+# their markdown (medians with the repeats' range: bench/report.py ``spread``).
 
 
 def budget_check(values: list[float], budget: float) -> dict[str, Any]:
@@ -207,6 +207,13 @@ def budget_check(values: list[float], budget: float) -> dict[str, Any]:
     }
 
 
+def legacy_note(out: dict[str, Any], command: str) -> str | None:
+    """A line in place of the tables for a result written before repeats (no ``repeat_count``)."""
+    if "repeat_count" in out:
+        return None
+    return "_This result predates repeats and baseline labels (no `repeat_count`): rerun `%s`._\n" % command
+
+
 def repeats_phrase(n: int) -> str:
     """``"1 repeat"``, ``"3 repeats"``."""
     return "%d repeat%s" % (n, "" if n == 1 else "s")
@@ -216,18 +223,6 @@ def fmt_range(median: float, low: float, high: float, spec: str = "%.2f") -> str
     """``"3.05 (2.98-3.20)"``: the median, with the repeats' min-max where they differ as printed."""
     m, lo, hi = spec % median, spec % low, spec % high
     return m if lo == hi else "%s (%s-%s)" % (m, lo, hi)
-
-
-def field_range(out: dict[str, Any], path: tuple[str, ...], spec: str = "%.2f") -> str:
-    """``fmt_range`` of the field at ``path`` in a ``repeats.measure`` result (median, ``min``, ``max``)."""
-
-    def get(d: dict[str, Any]) -> float:
-        v: Any = d
-        for key in path:
-            v = v[key]
-        return float(v)
-
-    return fmt_range(get(out), get(out["min"]), get(out["max"]), spec)
 
 
 def checks_markdown(checks: dict[str, dict[str, Any]], names: dict[str, str], spec: str = "%.3f") -> list[str]:
@@ -265,6 +260,9 @@ def baseline_line(base: dict[str, Any]) -> str:
 
 def markdown(out: dict[str, Any]) -> str:
     """The README tables of a ``run`` result: medians with the repeats' range, baseline, checks."""
+    legacy = legacy_note(out, ".venv-vllm/bin/hybridpd bench router")
+    if legacy:
+        return legacy
     base = out["baseline"]
     name = vllm_chain.label(base)
     rows = [
@@ -285,7 +283,7 @@ def markdown(out: dict[str, Any]) -> str:
         n = int(key.removeprefix("tokens_"))
 
         def f(field: str, spec: str = "%.2f", key: str = key) -> str:
-            return field_range(out, ("results", key, field), spec)
+            return spread(out, "results", key, field, spec=spec)
 
         rows.append(
             "| {:,} tokens | {:,} | {} | {} | {} | {} | {} | {} | {} |".format(
@@ -312,10 +310,10 @@ def markdown(out: dict[str, Any]) -> str:
         rows.append(
             "| {:,} tokens | {} | {} | {} | {} |".format(
                 n,
-                field_range(out, ("results", key, "cpu_p50_ms")),
-                field_range(out, ("results", key, "cpu_p99_ms")),
-                field_range(out, ("results", key, "baseline_cpu_p50_ms"), "%.1f"),
-                field_range(out, ("results", key, "cpu_ratio_p99_vs_baseline"), "%.3f"),
+                spread(out, "results", key, "cpu_p50_ms", spec="%.2f"),
+                spread(out, "results", key, "cpu_p99_ms", spec="%.2f"),
+                spread(out, "results", key, "baseline_cpu_p50_ms", spec="%.1f"),
+                spread(out, "results", key, "cpu_ratio_p99_vs_baseline", spec="%.3f"),
             )
         )
     names = {"ratio_p99_vs_baseline_164000": "decision p99 / %s p50, 164,000 tokens" % name}

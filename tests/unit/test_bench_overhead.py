@@ -91,3 +91,7 @@ def test_cli_help_names_repeats_and_the_rule() -> None:
     got = CliRunner().invoke(cli, ["bench", "overhead", "--help"])
     assert got.exit_code == 0
     assert "--repeats" in got.output and "TPOT" in got.output
+
+
+def test_a_result_from_before_repeats_renders_a_rerun_note() -> None:
+    assert "predates repeats" in overhead.markdown({"workload": {}, "results": {}, "checks": {}})

@@ -140,3 +140,9 @@ def test_cli_help_names_repeats_and_iterations() -> None:
     assert got.exit_code == 0
     for flag in ("--repeats", "--iterations", "--copy", "get_request_block_hasher"):
         assert flag in got.output
+
+
+def test_a_result_from_before_repeats_renders_a_rerun_note() -> None:
+    old = {"unit": 128, "iterations": 300, "results": {}, "checks": {"ratio_ok": True}}
+    for md in (router.markdown(old), hashing.markdown(old)):
+        assert "predates repeats" in md and "rerun" in md
