@@ -247,6 +247,10 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 }
 
 
+#: blocks whose module's ``markdown`` renders its checks itself (as a budget table)
+RENDER_OWN_CHECKS = frozenset({"router", "overhead"})
+
+
 def render_block(name: str, results: Path = RESULTS) -> str:
     """The generated text of block ``name`` from its results file."""
     if name not in BLOCKS:
@@ -256,7 +260,8 @@ def render_block(name: str, results: Path = RESULTS) -> str:
     if not path.exists():
         return "_No results file `bench/results/%s` yet._\n" % filename
     out = json.loads(path.read_text())
-    return "%s\n%s%s" % (provenance_line(filename, out), table(out), checks_lines(out))
+    own_checks = name in RENDER_OWN_CHECKS
+    return "%s\n%s%s" % (provenance_line(filename, out), table(out), "" if own_checks else checks_lines(out))
 
 
 def render(text: str, results: Path = RESULTS) -> str:
