@@ -16,6 +16,13 @@ VOCAB_LO, VOCAB_HI = 5, 2048  # avoid special ids 0..4
 #: the bundled models path-equality tests run on: trained weights and seeded random ones
 MODELS = ("tiny", "tiny-random")
 _model = ["tiny"]
+#: state block sizes the path-equality tests run at: vLLM's align-mode columns (64) and the
+#: default (None: B = u), as ``make_engine(mamba_block_size=...)`` takes them
+BLOCKS = (64, None)
+
+
+def block_id(block: int | None) -> str:
+    return "B%d" % block if block is not None else "Bu"
 
 
 @pytest.fixture(scope="module", params=MODELS, autouse=True, name="bundled_model")
@@ -35,7 +42,8 @@ def make_engine(**overrides: Any) -> NativeEngine:
         "num_kv_blocks": 768,
         "max_num_batched_tokens": 4096,
         "max_num_seqs": 64,
-        # the protocol examples these tests check are written for vLLM's align-mode columns
+        # the protocol examples these tests check are written for vLLM's align-mode columns;
+        # mamba_block_size=None gives the default, B = prefix_match_unit
         "mamba_block_size": 64,
     }
     base.update(overrides)

@@ -1,6 +1,8 @@
 """The engine exports checkpoints exactly where DESIGN.md's examples say,
 re-keys the EAGLE slot, writes the extra checkpoints a request names (and
-stays exact), and frees everything, aborts included."""
+stays exact: equal greedy tokens and logits ``torch.equal`` to a no-cache
+run, at B = 64 and at the default B = u), and frees everything, aborts
+included."""
 
 from __future__ import annotations
 
@@ -13,14 +15,16 @@ from hybridpd.checkpoints import checkpoint_position
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.hashing import BlockHash
 from tests.unit.engine_helpers import (
+    BLOCKS,
     assert_no_leaks,
+    block_id,
     bundled_model_fixture,  # noqa: F401  (autouse: both bundled models)
     make_engine,
     prompt,
     req,
 )
 
-#: bit-exact comparisons: only where fp32 matmul rows are batch-invariant (checked)
+#: exactness tests: only where fp32 matmul rows are batch-invariant (checked)
 pytestmark = pytest.mark.usefixtures("fp32_row_exact")
 
 
@@ -38,10 +42,11 @@ def test_example_u8_b64_a16_n100() -> None:
     assert eng.state_pool.num_cached == 0
 
 
+@pytest.mark.parametrize("block", BLOCKS, ids=block_id)
 @pytest.mark.parametrize("eagle", [False, True])
-def test_example_19u_plus_7(eagle: bool) -> None:
+def test_example_19u_plus_7(eagle: bool, block: int | None) -> None:
     u = 16
-    eng = make_engine(eagle=eagle, export_checkpoints=True)
+    eng = make_engine(eagle=eagle, export_checkpoints=True, mamba_block_size=block)
     assert _exported(eng, prompt(19 * u + 7, 2)) == [18 * u if eagle else 19 * u]
 
 
@@ -182,14 +187,20 @@ def _stored_states(events: list[CacheEvent]) -> set[BlockHash]:
     return {h for e in events if e.kind is CacheEventKind.STORED and e.group is CacheGroup.STATE for h in e.hashes}
 
 
-@pytest.mark.parametrize(("eagle", "budget"), [(False, 4096), (False, 48), (True, 4096)])
-def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int) -> None:
-    """u=16, B=64, a=16; junctions 70, 100, 150, 250 of a 300-token prompt:
+@pytest.mark.parametrize(
+    ("eagle", "budget", "block"),
+    [(False, 4096, 64), (False, 48, 64), (True, 4096, 64), (False, 48, None), (True, 4096, None)],
+    ids=["4096-B64", "48-B64", "eagle-4096-B64", "48-Bu", "eagle-4096-Bu"],
+)
+def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int, block: int | None) -> None:
+    """u=16, B=64 or B=u, a=16; junctions 70, 100, 150, 250 of a 300-token prompt:
     64, 96, 144, 240 and the tail 288 (EAGLE: 48, 80, 128, 224 and 272)."""
     u = 16
     base = prompt(300, 21)
     want = (48, 80, 128, 224, 272) if eagle else (64, 96, 144, 240, 288)
-    eng = make_engine(eagle=eagle, export_checkpoints=True, record_logits=True, max_num_batched_tokens=budget)
+    eng = make_engine(
+        eagle=eagle, export_checkpoints=True, record_logits=True, max_num_batched_tokens=budget, mamba_block_size=block
+    )
     got = _run(eng, "base", base, (70, 100, 150, 250))
     _same(got, _no_cache(base, eagle))
     exported = eng.pop_exports()

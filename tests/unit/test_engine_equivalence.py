@@ -3,30 +3,34 @@
 Reference = one request alone, one-shot prefill, prefix caching off. Compared
 token for token (greedy) and logits within 1e-4 (fp32): chunked prefill under
 several budgets with all requests batched, a prefix hit at every valid
-checkpoint, export -> import into a fresh engine, prefill -> decode handoff
-(over NIXL), and EAGLE on. Every test runs on both bundled models (``tiny``:
-trained weights, real-text-like logits; ``tiny-random``: seeded random
-weights).
+checkpoint, export -> import into a fresh engine, and EAGLE on; the prefill ->
+decode handoff (over NIXL) token for token; batch composition with logits
+``torch.equal``. Every test runs on both bundled models (``tiny``: trained
+weights, real-text-like logits; ``tiny-random``: seeded random weights), at
+``mamba_block_size`` B = 64 (vLLM's align-mode columns) and, in the cases
+marked ``Bu``, at the default B = u.
 """
 
 from __future__ import annotations
 
 import pickle
-import time
 
 import pytest
 import torch
 
 from hybridpd.engine.native.handoff import NativeTicket
 from tests.unit.engine_helpers import (
+    BLOCKS,
     assert_no_leaks,
+    block_id,
     bundled_model_fixture,  # noqa: F401  (autouse: both bundled models)
     make_engine,
     prompt,
     req,
 )
+from tests.wait import wait_until
 
-#: bit-exact comparisons: only where fp32 matmul rows are batch-invariant (checked)
+#: exactness tests: only where fp32 matmul rows are batch-invariant (checked)
 pytestmark = pytest.mark.usefixtures("fp32_row_exact")
 
 LENGTHS = [1, 15, 16, 17, 63, 64, 65, 100, 257, 700, 1301, 2000]
@@ -55,9 +59,13 @@ def _check(reference, rid: str, tokens: list[int], logits: list[torch.Tensor] | 
             assert (a - b).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("budget", [16, 48, 128, 1000])
-def test_chunked_batched_equals_reference(reference, budget: int) -> None:  # type: ignore[no-untyped-def]
-    eng = make_engine(max_num_batched_tokens=budget, record_logits=True)
+@pytest.mark.parametrize(
+    ("budget", "block"),
+    [(16, 64), (48, 64), (128, 64), (1000, 64), (48, None), (1000, None)],
+    ids=["16-B64", "48-B64", "128-B64", "1000-B64", "48-Bu", "1000-Bu"],
+)
+def test_chunked_batched_equals_reference(reference, budget: int, block: int | None) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(max_num_batched_tokens=budget, record_logits=True, mamba_block_size=block)
     got = eng.generate([req(rid, toks, MAX_TOKENS) for rid, toks in PROMPTS.items()])
     assert eng.logit_log is not None
     for rid in PROMPTS:
@@ -72,13 +80,21 @@ def _valid_hits(n: int, unit: int = 16, block: int = 64) -> list[int]:
 
 
 @pytest.mark.parametrize(
-    ("rid", "hits"),
-    [("p257", _valid_hits(257)), ("p700", [64, 336, 688]), ("p2000", [64, 1024, 1984])],
+    ("rid", "hits", "block"),
+    [
+        ("p257", _valid_hits(257), 64),
+        ("p700", [64, 336, 688], 64),
+        ("p2000", [64, 1024, 1984], 64),
+        # B = u: every unit boundary is valid, below 64 too
+        ("p257", [16, 32, 48, 144], None),
+        ("p2000", [1040], None),
+    ],
+    ids=["p257-B64", "p700-B64", "p2000-B64", "p257-Bu", "p2000-Bu"],
 )
-def test_prefix_hit_at_valid_checkpoints(reference, rid: str, hits: list[int]) -> None:  # type: ignore[no-untyped-def]
+def test_prefix_hit_at_valid_checkpoints(reference, rid: str, hits: list[int], block: int | None) -> None:  # type: ignore[no-untyped-def]
     toks = PROMPTS[rid]
     for hit in hits:
-        eng = make_engine(export_checkpoints=True, record_logits=True)
+        eng = make_engine(export_checkpoints=True, record_logits=True, mamba_block_size=block)
         eng.generate([req("warm", toks[: hit + 1], 1)])
         exported = [st.meta.position for _, st in eng.pop_exports()]
         assert exported == [hit], (hit, exported)
@@ -92,13 +108,15 @@ def test_prefix_hit_at_valid_checkpoints(reference, rid: str, hits: list[int]) -
         assert_no_leaks(eng)
 
 
-@pytest.mark.parametrize("rid", ["p700", "p2000"])
-def test_export_import_into_fresh_engine(reference, rid: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("rid", "block"), [("p700", 64), ("p2000", 64), ("p700", None)], ids=["p700-B64", "p2000-B64", "p700-Bu"]
+)
+def test_export_import_into_fresh_engine(reference, rid: str, block: int | None) -> None:  # type: ignore[no-untyped-def]
     toks = PROMPTS[rid]
-    src = make_engine(export_checkpoints=True)
+    src = make_engine(export_checkpoints=True, mamba_block_size=block)
     src.generate([req("warm", toks[: len(toks) // 2], 1)])
     ((kv, state),) = src.pop_exports()
-    dst = make_engine(record_logits=True)
+    dst = make_engine(record_logits=True, mamba_block_size=block)
     assert dst.import_checkpoint(kv, state, list(toks))
     eng_out = []
     dst.add_request(req(rid, toks, MAX_TOKENS))
@@ -111,13 +129,19 @@ def test_export_import_into_fresh_engine(reference, rid: str) -> None:  # type: 
     assert_no_leaks(dst)
 
 
-@pytest.mark.parametrize("rid", ["p1", "p65", "p1301"])
-@pytest.mark.parametrize("eagle", [False, True])
-def test_prefill_decode_handoff(reference, rid: str, eagle: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("rid", "eagle", "block"),
+    [
+        pytest.param(rid, eagle, block, id="%s-%s-%s" % (rid, eagle, block_id(block)))
+        for rid, eagle, block in [(r, e, 64) for e in (False, True) for r in ("p1", "p65", "p1301")]
+        + [("p1301", True, None)]
+    ],
+)
+def test_prefill_decode_handoff(reference, rid: str, eagle: bool, block: int | None) -> None:  # type: ignore[no-untyped-def]
     """Through the engine boundary, as the workers call it: real NIXL agents
     (both in this process), the ticket pickled as it is across Ray."""
-    prefill = make_engine(eagle=eagle, role="prefill", instance="prefill-%s" % rid)
-    decode = make_engine(eagle=eagle, role="decode", instance="decode-%s" % rid)
+    prefill = make_engine(eagle=eagle, role="prefill", instance="prefill-%s" % rid, mamba_block_size=block)
+    decode = make_engine(eagle=eagle, role="decode", instance="decode-%s" % rid, mamba_block_size=block)
     try:
         r = req(rid, PROMPTS[rid], MAX_TOKENS)
         prefill.add_request(r, prefill_only=True)
@@ -137,17 +161,16 @@ def test_prefill_decode_handoff(reference, rid: str, eagle: bool) -> None:  # ty
         _check(reference, rid, tokens)
         assert_no_leaks(prefill)
         assert_no_leaks(decode)
-        deadline = time.monotonic() + 10
-        while prefill.handoff_stats().outstanding and time.monotonic() < deadline:
-            time.sleep(0.01)  # decode's release notification is asynchronous
-        assert prefill.handoff_stats().outstanding == 0
+        # decode's release notification is asynchronous
+        wait_until(lambda: prefill.handoff_stats().outstanding == 0, 10, 0.01, "prefill to see the release")
     finally:
         prefill.close()
         decode.close()
 
 
-def test_eagle_on_equals_off(reference) -> None:  # type: ignore[no-untyped-def]
-    eng = make_engine(eagle=True, num_speculative_tokens=3, record_logits=True)
+@pytest.mark.parametrize("block", BLOCKS, ids=block_id)
+def test_eagle_on_equals_off(reference, block: int | None) -> None:  # type: ignore[no-untyped-def]
+    eng = make_engine(eagle=True, num_speculative_tokens=3, record_logits=True, mamba_block_size=block)
     got = eng.generate([req(rid, toks, MAX_TOKENS) for rid, toks in PROMPTS.items()])
     assert eng.logit_log is not None
     for rid in PROMPTS:
@@ -156,9 +179,10 @@ def test_eagle_on_equals_off(reference) -> None:  # type: ignore[no-untyped-def]
     assert_no_leaks(eng)
 
 
-def test_batch_composition_does_not_change_results(reference) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("block", BLOCKS, ids=block_id)
+def test_batch_composition_does_not_change_results(reference, block: int | None) -> None:  # type: ignore[no-untyped-def]
     # the same request beside different neighbours, staggered arrivals
-    eng = make_engine(max_num_batched_tokens=256, record_logits=True)
+    eng = make_engine(max_num_batched_tokens=256, record_logits=True, mamba_block_size=block)
     for rid in ["p2000", "p17", "p700"]:
         eng.add_request(req(rid, PROMPTS[rid], MAX_TOKENS))
         eng.step()
