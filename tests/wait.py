@@ -14,6 +14,20 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+class Pending:
+    """A falsy answer that carries what was seen: a predicate returns it to keep
+    polling, and a timeout's message shows it."""
+
+    def __init__(self, seen: object) -> None:
+        self.seen = seen
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __repr__(self) -> str:
+        return "Pending(%r)" % (self.seen,)
+
+
 def wait_until(
     predicate: Callable[[], T],
     timeout_s: float,

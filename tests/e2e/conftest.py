@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from functools import cached_property
 from pathlib import Path
 
 import httpx
@@ -13,8 +13,11 @@ from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.tiny import resolve_model_dir
+from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import LookupResult, PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
 from launch.stack_process import StackProcess
+from tests.wait import Pending, wait_until
 
 
 class Stack(StackProcess):
@@ -23,22 +26,55 @@ class Stack(StackProcess):
 
     def wait_all_free(self, timeout_s: float = 20.0) -> dict:
         """Stats once every actor's pools are back to all-free with nothing running."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def free() -> dict | Pending:
             stats = self.stats()
             pools = [s["pool"] for s in stats.values()]
-            if all(p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0 for p in pools):
-                return stats
-            if time.monotonic() > deadline:
-                raise AssertionError("blocks not freed: %s" % stats)
-            time.sleep(0.2)
+            ok = all(p["num_free_blocks"] == p["num_blocks"] and p["num_running"] == 0 for p in pools)
+            return stats if ok else Pending(stats)
+
+        return wait_until(free, timeout_s, 0.2, "every actor's blocks freed")
+
+    # -- the prefix index, as the router reads it (the stacks run on the default u and hash)
+    @cached_property
+    def index(self) -> PrefixIndex:
+        return PrefixIndex(self.banner("Redis (prefix index)"), self.stats()["prefill-0"]["model_id"])
+
+    @cached_property
+    def _hasher(self) -> BlockHasher:
+        cfg = load_config(env={})
+        return BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+
+    def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> LookupResult:
+        """What the router's lookup of ``tokens`` finds in the prefix index now."""
+        eagle = "--eagle" in self.extra_args
+        chain = self._hasher.chain(list(tokens), cache_salt=cache_salt)
+        return self.index.lookup(chain, len(tokens), self._hasher.unit, eagle)
+
+    def wait_store_hit(
+        self, tokens: Sequence[int], at_least: int = 1, cache_salt: str | None = None, timeout_s: float = 30.0
+    ) -> int:
+        """The store hit the index promises for ``tokens`` once it is ``at_least``
+        tokens: a prefill's checkpoint is put in MooncakeStore and published in the
+        index asynchronously, after its request returned."""
+
+        def hit() -> int | Pending:
+            got = self.lookup(tokens, cache_salt).store_hit
+            return got if got >= at_least else Pending(got)
+
+        return wait_until(hit, timeout_s, 0.1, "a store hit of at least %d tokens in the index" % at_least)
+
+
+#: the flags of the shared stack but its state block size
+STACK_ARGS = ["--eagle", "--max-inflight-requests", "4"]
 
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        Path(tmp_path_factory.mktemp("stack")), ["--eagle", "--max-inflight-requests", "4", "--mamba-block-size", "64"]
-    )
+    """The shared stack, at mamba_block_size B = 64 (vLLM's align-mode columns: the
+    junction and growing-stream tests rely on its column rule); test_serving.py
+    also runs its equality tests on a stack at the default B = u."""
+    s = Stack(Path(tmp_path_factory.mktemp("stack")), [*STACK_ARGS, "--mamba-block-size", "64"])
     s.start()
     try:
         yield s
@@ -48,8 +84,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="session")
 def reference(fp32_row_exact: None):  # type: ignore[no-untyped-def]
-    """The native engine run monolithically in this process (EAGLE off, no caching);
-    compared bit for bit, so only where fp32 matmul rows are batch-invariant."""
+    """The native engine run monolithically in this process (EAGLE off, no caching):
+    the stack's greedy tokens must equal its, so only where fp32 matmul rows are
+    batch-invariant."""
     engine = NativeEngine(load_config(env={}, overrides={"enable_prefix_caching": False}))
     tok = TextTokenizer(resolve_model_dir("tiny"))
     counter = iter(range(10**9))

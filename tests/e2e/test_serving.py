@@ -2,12 +2,15 @@
 
 The stack runs with EAGLE on; the reference is the native engine run
 monolithically in this process with EAGLE off: equal greedy tokens show P/D,
-caching, NIXL transfer and EAGLE change nothing.
+caching, NIXL transfer and EAGLE change nothing. The equality tests run on the
+shared stack (mamba_block_size B = 64) and on one at the default B = u.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import httpx
@@ -15,19 +18,45 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from openai import BadRequestError, NotFoundError, OpenAI
 
-from hybridpd.checkpoints import checkpoint_position, longest_usable_hit
+from hybridpd.checkpoints import checkpoint_position, longest_usable_hit, planned_checkpoint
 from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2 as pb
 from hybridpd.v1 import generate_pb2_grpc as pb_grpc
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import STACK_ARGS, Stack
 from tests.unit.engine_helpers import prompt
 
-U = 16
+U, A = 16, 16  # prefix_match_unit, checkpoint_alignment: the defaults
 
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def stack_bu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The shared stack's flags at the default state block size (B = u)."""
+    s = Stack(Path(tmp_path_factory.mktemp("stack-bu")), STACK_ARGS)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+class Served(NamedTuple):
+    client: OpenAI
+    stack: Stack
+    block: int  # mamba_block_size B
+
+
+@pytest.fixture(params=["B64", "Bu"])
+def served(request: pytest.FixtureRequest) -> Served:
+    """The client and stack of an equality test: the shared stack (B = 64), then B = u."""
+    st: Stack = request.getfixturevalue("stack" if request.param == "B64" else "stack_bu")
+    return Served(
+        OpenAI(base_url=st.http + "/v1", api_key="unused", max_retries=0), st, 64 if request.param == "B64" else U
+    )
 
 
 def _complete(client: OpenAI, tokens: list[int], max_tokens: int = 8, **extra: object):  # type: ignore[no-untyped-def]
@@ -41,7 +70,8 @@ def _complete(client: OpenAI, tokens: list[int], max_tokens: int = 8, **extra: o
 
 
 @pytest.mark.parametrize("n", [1, 40, 300, 1200])
-def test_completion_equals_monolithic_engine(client: OpenAI, reference, n: int) -> None:  # type: ignore[no-untyped-def]
+def test_completion_equals_monolithic_engine(served: Served, reference, n: int) -> None:  # type: ignore[no-untyped-def]
+    client = served.client
     run, tok = reference
     tokens = list(prompt(n, 100 + n))
     want = run(tokens, 8)
@@ -57,7 +87,8 @@ def test_completion_equals_monolithic_engine(client: OpenAI, reference, n: int) 
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want)
 
 
-def test_chat_equals_monolithic_engine(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+def test_chat_equals_monolithic_engine(served: Served, reference) -> None:  # type: ignore[no-untyped-def]
+    client = served.client
     run, tok = reference
     msgs = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime number."}]
     want = run(tok.apply_chat_template([ChatMessage(m["role"], m["content"]) for m in msgs]), 12)
@@ -73,7 +104,8 @@ def test_chat_equals_monolithic_engine(client: OpenAI, reference) -> None:  # ty
     assert "".join(c.choices[0].delta.content or "" for c in parts) == tok.decode(want)
 
 
-def test_extension_cached_tokens_local_and_via_store(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+def test_extension_cached_tokens_local_and_via_store(served: Served, reference) -> None:  # type: ignore[no-untyped-def]
+    client, stack = served.client, served.stack
     run, _ = reference
     first = list(prompt(300, 7))
     _complete(client, first, hybridpd_prefill_instance="prefill-0")
@@ -82,21 +114,27 @@ def test_extension_cached_tokens_local_and_via_store(client: OpenAI, reference) 
     ext = first + list(prompt(45, 8))
     promised = longest_usable_hit(len(ext), U, len(first) // U, {pos}, True)
     assert promised == pos > 0
-    time.sleep(1.0)  # the checkpoint is put in the store and published asynchronously
+    assert stack.wait_store_hit(ext, promised) == promised  # put in the store and published asynchronously
     same = _complete(client, ext, hybridpd_prefill_instance="prefill-0")
     assert same.usage.prompt_tokens_details.cached_tokens == promised
+    # same's prefill, from the hit to the end, exports ext's own tail checkpoint where the
+    # column rule lets it (B = u: at 320; B = 64: its slot column holds the restored state)
+    deeper = planned_checkpoint(promised, len(ext), len(ext), U, served.block, A, True) or promised
+    assert deeper == (320 if served.block == U else promised)
+    assert stack.wait_store_hit(ext, deeper) == deeper
     other = _complete(client, ext, hybridpd_prefill_instance="prefill-1")
-    assert other.usage.prompt_tokens_details.cached_tokens == promised  # loaded from MooncakeStore
+    assert other.usage.prompt_tokens_details.cached_tokens == deeper  # loaded from MooncakeStore
     want = run(ext, 8)
     assert same.choices[0].token_ids == want and other.choices[0].token_ids == want  # type: ignore[attr-defined]
 
 
-def test_cache_salt_isolates_tenants(client: OpenAI, reference) -> None:  # type: ignore[no-untyped-def]
+def test_cache_salt_isolates_tenants(served: Served, reference) -> None:  # type: ignore[no-untyped-def]
+    client, stack = served.client, served.stack
     run, _ = reference
     base = list(prompt(260, 11))
     _complete(client, base, cache_salt="tenant-a")
-    time.sleep(1.0)
     ext = base + list(prompt(20, 12))
+    stack.wait_store_hit(ext, cache_salt="tenant-a")  # tenant-a's checkpoint published: a hit anywhere
     other = _complete(client, ext, cache_salt="tenant-b")
     same = _complete(client, ext, cache_salt="tenant-a")
     assert other.usage.prompt_tokens_details.cached_tokens == 0
