@@ -22,7 +22,13 @@ from tests.wait import Pending, wait_until
 
 class Stack(StackProcess):
     def stats(self) -> dict:
-        return httpx.get(self.http + "/v1/hybridpd/stats", timeout=30).json()
+        """Every actor's stats (with the stack's first API key, if it has keys)."""
+        args = self.extra_args
+        keys = args[args.index("--api-keys") + 1].split(",") if "--api-keys" in args else []
+        headers = {"authorization": "Bearer " + keys[0]} if keys else {}
+        r = httpx.get(self.http + "/v1/hybridpd/stats", headers=headers, timeout=30)
+        r.raise_for_status()
+        return r.json()
 
     def wait_all_free(self, timeout_s: float = 20.0) -> dict:
         """Stats once every actor's pools are back to all-free with nothing running."""

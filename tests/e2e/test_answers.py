@@ -7,8 +7,7 @@ The stack runs EAGLE on, u=16 (tests/e2e/conftest.py).
 
 from __future__ import annotations
 
-import time
-
+import httpx
 import pytest
 from openai import OpenAI
 
@@ -16,6 +15,7 @@ from hybridpd.checkpoints import checkpoint_position
 from hybridpd.tokenizer import ChatMessage
 from services.router.answers import strip_stop
 from tests.e2e.conftest import Stack
+from tests.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -28,15 +28,34 @@ def client(stack: Stack) -> OpenAI:
     return OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0)
 
 
-def _answers_done(stack: Stack, counter: str = "answer_checkpoints") -> int:
-    return sum(int(s.get(counter, 0)) for name, s in stack.stats().items() if name.startswith("prefill"))
+#: the router's count of answers it sent to their prefill instance
+REQUESTED = "hybridpd_answer_checkpoints_requested_total"
+#: every way a prefill worker ends an answer it was sent (``services/prefill/answers.py``)
+OUTCOMES = (
+    "answer_checkpoints",
+    "answer_checkpoints_skipped",
+    "answer_checkpoints_failed",
+    "answer_checkpoints_dropped",
+)
+
+
+def _answers_done(stack: Stack, *counters: str) -> int:
+    """The prefill instances' counters (default: answer checkpoints written), summed."""
+    stats = stack.stats()
+    names = counters or ("answer_checkpoints",)
+    return sum(int(s.get(c, 0)) for name, s in stats.items() if name.startswith("prefill") for c in names)
+
+
+def _answers_requested(stack: Stack) -> int:
+    """Answers the router sent to a prefill instance (it decides at the end of each
+    request, before the response is returned)."""
+    text = httpx.get(stack.http + "/metrics", timeout=30).text
+    return int(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(REQUESTED + " ")))
 
 
 def _wait_answers(stack: Stack, target: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _answers_done(stack) < target:  # the answer prefill runs after the stream ended
-        assert time.monotonic() < deadline, "answer checkpoint not written in %.0f s" % timeout_s
-        time.sleep(0.2)
+    # the answer prefill runs after the stream ended
+    wait_until(lambda: _answers_done(stack) >= target, timeout_s, 0.2, "%d answer checkpoints written" % target)
 
 
 def _chat(client: OpenAI, msgs: list[dict[str, str]], **extra: object):  # type: ignore[no-untyped-def]
@@ -79,15 +98,13 @@ def test_next_turn_hits_the_answer_and_equals_a_no_cache_run(
     assert want_hit > checkpoint_position(len(p1.ids), U, True)  # past the prompt: the answer is hit
     assert second.usage.prompt_tokens_details.cached_tokens == want_hit
     assert second.choices[0].token_ids == run(ids2, 40)  # type: ignore[attr-defined]
-    deadline = time.monotonic() + 30.0
-    while _answers_done(stack, "answer_checkpoint_bytes") == 0:  # the store put is asynchronous
-        assert time.monotonic() < deadline, "no answer checkpoint bytes counted"
-        time.sleep(0.2)
+    # the store put is asynchronous
+    wait_until(lambda: _answers_done(stack, "answer_checkpoint_bytes") > 0, 30, 0.2, "answer checkpoint bytes counted")
 
 
 def test_answer_checkpoint_off_per_request_and_after_a_stop_string(client: OpenAI, stack: Stack) -> None:
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is attention?"}]
-    before = _answers_done(stack)
+    before, requested = _answers_done(stack), _answers_requested(stack)
     _chat(client, turn1, hybridpd_answer_checkpoint=False)
     full = _chat(client, [*turn1[:1], {"role": "user", "content": "What is a token?"}])
     _wait_answers(stack, before + 1)
@@ -96,5 +113,14 @@ def test_answer_checkpoint_off_per_request_and_after_a_stop_string(client: OpenA
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     cut = _chat(client, [*turn1[:1], {"role": "user", "content": "What is a token?"}], stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
-    time.sleep(1.0)  # give a (wrongly) sent answer prefill time to show up
-    assert _answers_done(stack) == before + 1  # neither the opted-out nor the cut answer
+    # The router decided on both before their responses: what it sent is counted. Once the
+    # prefill workers have ended every answer sent (written, skipped, failed or dropped), a
+    # (wrongly) sent one would be among them.
+    wait_until(
+        lambda: _answers_done(stack, *OUTCOMES) == _answers_requested(stack),
+        30,
+        0.2,
+        "the prefill workers to end every answer the router sent",
+    )
+    assert _answers_requested(stack) == requested + 1  # neither the opted-out nor the cut answer
+    assert _answers_done(stack) == before + 1

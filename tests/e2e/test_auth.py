@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import httpx
 import pytest
 from openai import AuthenticationError, OpenAI
 
+from hybridpd.auth import ApiKeys, tenant_id
 from hybridpd.v1 import generate_pb2 as pb
 from hybridpd.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.conftest import Stack
@@ -58,7 +58,8 @@ def test_tenants_never_share_prefixes(astack: Stack, reference) -> None:  # type
         )
 
     go("key-alpha", base, "shared")
-    time.sleep(1.0)
+    # the checkpoint is put in the store and published asynchronously: wait until alpha's is
+    astack.wait_store_hit(ext, cache_salt=ApiKeys.salt(tenant_id("key-alpha"), "shared"))
     other = go("key-beta", ext, "shared")  # same client salt, other tenant: no hit
     same = go("key-alpha", ext, "shared")
     assert other.usage.prompt_tokens_details.cached_tokens == 0
