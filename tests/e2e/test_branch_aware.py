@@ -8,8 +8,6 @@ expected position comes from the protocol's functions with EAGLE on.
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 from openai import OpenAI
@@ -92,13 +90,8 @@ def test_fan_out_second_request_pays_for_the_junction_every_later_one_hits(
     assert after["checkpoint_missing"] - before.get("checkpoint_missing", 0) >= junction
     # the junction checkpoint went to MooncakeStore too: another instance loads it
     conv = system + list(prompt(30, 1620))
-    deadline = time.monotonic() + 15.0
-    while True:  # the store put and its publication are asynchronous
-        other = _complete(client, conv, "prefill-1")
-        if other.usage.prompt_tokens_details.cached_tokens == junction or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
-        conv = system + list(prompt(30, 1621 + int(time.monotonic() * 1000) % 100000))
+    assert stack.wait_store_hit(conv, junction, timeout_s=15) == junction  # put and published asynchronously
+    other = _complete(client, conv, "prefill-1")
     assert other.usage.prompt_tokens_details.cached_tokens == junction
     assert other.choices[0].token_ids == run(conv, 6)  # type: ignore[attr-defined]
 

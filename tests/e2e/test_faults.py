@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from hybridpd.config import load_config
+from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import redis_server_binary
@@ -25,6 +26,7 @@ from hybridpd.procs import port_open
 from hybridpd.store.client import CheckpointStore
 from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
+from tests.wait import wait_until
 
 HANDOFF_TIMEOUT_S = 5
 
@@ -99,10 +101,12 @@ def test_decode_too_late_prefill_frees_and_request_is_redone(fstack: Stack, refe
     # decode's late read failed cleanly: the router prefilled again (on the other instance)
     assert _metric(fstack, 'hybridpd_retries_total{kind="handoff"}') == retries_before + 1
     # and prefill-0 freed the unread handoff on its timeout
-    deadline = time.monotonic() + 10
-    while _prefill_stats(fstack, "handoffs_expired")["prefill-0"] < expired_before["prefill-0"] + 1:
-        assert time.monotonic() < deadline, fstack.stats()
-        time.sleep(0.2)
+    wait_until(
+        lambda: _prefill_stats(fstack, "handoffs_expired")["prefill-0"] >= expired_before["prefill-0"] + 1,
+        10,
+        0.2,
+        "prefill-0 to expire the unread handoff",
+    )
     stats = fstack.wait_all_free()
     assert all(s.get("handoffs_outstanding", 0) == 0 for s in stats.values())
 
@@ -117,10 +121,7 @@ def test_store_objects_deleted_behind_the_index(fstack: Stack, reference) -> Non
     ext = base + list(prompt(40, 69))
     exports = _prefill_stats(fstack, "checkpoint_exports")["prefill-0"]
     _complete(fstack, base, hybridpd_prefill_instance="prefill-0")
-    deadline = time.monotonic() + 20
-    while index.lookup(hasher.chain(ext), len(ext), cfg.prefix_match_unit, cfg.eagle).store_hit == 0:
-        assert time.monotonic() < deadline, "checkpoint never published (%s)" % fstack.stats()["prefill-0"]
-        time.sleep(0.2)
+    fstack.wait_store_hit(ext, timeout_s=20)  # put in the store and published asynchronously
     assert _prefill_stats(fstack, "checkpoint_exports")["prefill-0"] > exports
     # every state object of this model disappears behind the index's back
     store = CheckpointStore(
@@ -146,7 +147,7 @@ def test_redis_down_serves_then_recovers(fstack: Stack, reference) -> None:  # t
     url = fstack.banner("Redis (prefix index)")
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     os.kill(_pid_listening(port), signal.SIGKILL)
-    time.sleep(0.5)
+    wait_until(lambda: not port_open("127.0.0.1", port), 10, what="the killed Redis to stop listening")
     before = _metric(fstack, 'hybridpd_routing_decisions_total{decision="index_unavailable"}')
     tokens = list(prompt(300, 62))
     got = _complete(fstack, tokens)
@@ -159,17 +160,21 @@ def test_redis_down_serves_then_recovers(fstack: Stack, reference) -> None:  # t
         stdout=subprocess.DEVNULL,
     )
     try:
-        deadline = time.monotonic() + 10
-        while not port_open("127.0.0.1", port):
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
-        time.sleep(1.5)  # heartbeats re-register the instances
+        wait_until(lambda: port_open("127.0.0.1", port), 10, 0.1, "Redis to listen again")
+        wait_until(  # heartbeats re-register the instances
+            lambda: {"prefill-0", "prefill-1"} <= set(fstack.index.live_instances()),
+            10,
+            0.1,
+            "both prefill instances' heartbeats in the new Redis",
+            retry_on=(UnavailableError,),
+        )
         base = list(prompt(300, 63))
         _complete(fstack, base, hybridpd_prefill_instance="prefill-1")
-        time.sleep(1.0)
-        ext = _complete(fstack, base + list(prompt(40, 64)), hybridpd_prefill_instance="prefill-0")
+        tokens = base + list(prompt(40, 64))
+        fstack.wait_store_hit(tokens)  # prefill-1's checkpoint published in the new Redis
+        ext = _complete(fstack, tokens, hybridpd_prefill_instance="prefill-0")
         assert ext.usage.prompt_tokens_details.cached_tokens > 0  # loaded via the store, found via Redis
-        assert ext.choices[0].token_ids == run(base + list(prompt(40, 64)), 6)  # type: ignore[attr-defined]
+        assert ext.choices[0].token_ids == run(tokens, 6)  # type: ignore[attr-defined]
     finally:
         redis.terminate()
         redis.wait(10)
@@ -178,8 +183,9 @@ def test_redis_down_serves_then_recovers(fstack: Stack, reference) -> None:  # t
 def test_mooncake_down_recomputes(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
     run, _ = reference
     master = fstack.banner("Mooncake master")
-    os.kill(_pid_listening(int(master.rsplit(":", 1)[1])), signal.SIGKILL)
-    time.sleep(0.5)
+    host, _, port = master.rpartition(":")
+    os.kill(_pid_listening(int(port)), signal.SIGKILL)
+    wait_until(lambda: not port_open(host, int(port)), 10, what="the killed Mooncake master to stop listening")
     base = list(prompt(260, 65))
     _complete(fstack, base, hybridpd_prefill_instance="prefill-0")
     ext = base + list(prompt(30, 66))
@@ -201,7 +207,9 @@ def test_prefill_actor_killed_mid_prefill_is_retried(fstack: Stack, reference) -
 
     t = threading.Thread(target=call)
     t.start()
-    time.sleep(1.0)  # prefill-0 is busy with the 6,000-token prompt
+    wait_until(  # prefill-0 is busy with the 6,000-token prompt (512 tokens a step: a dozen steps)
+        lambda: fstack.stats()["prefill-0"]["pool"]["num_running"] > 0, 60, 0.05, "prefill-0 to run the prompt"
+    )
     os.kill(pid, signal.SIGKILL)
     t.join(300)
     assert "exc" not in result, result.get("exc")

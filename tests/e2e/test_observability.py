@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +16,7 @@ from hybridpd.procs import free_port
 from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
 from tests.unit.test_observability import metric_names
+from tests.wait import Pending, wait_until
 
 
 def _traffic(stack: Stack) -> None:
@@ -26,11 +26,12 @@ def _traffic(stack: Stack) -> None:
     client.completions.create(
         model="tiny", prompt=base, max_tokens=6, temperature=0, extra_body={"hybridpd_prefill_instance": "prefill-0"}
     )
-    time.sleep(1.0)
+    ext = base + list(prompt(30, 902))
+    stack.wait_store_hit(ext)  # published asynchronously: then prefill-1 loads it from the store
     for inst in ("prefill-0", "prefill-1"):
         client.completions.create(
             model="tiny",
-            prompt=base + list(prompt(30, 902)),
+            prompt=ext,
             max_tokens=6,
             temperature=0,
             extra_body={"hybridpd_prefill_instance": inst},
@@ -46,14 +47,13 @@ def _scraped_names(url: str) -> set[str]:
 def test_dashboard_and_alert_metrics_are_exported(stack: Stack) -> None:
     _traffic(stack)
     wanted = {re.sub(r"_total$", "", n) for n in metric_names()}
-    deadline = time.monotonic() + 60  # Ray's metrics agent reports every few seconds
-    while True:
-        have = _scraped_names(stack.http + "/metrics") | _scraped_names(stack.ray_metrics)
-        missing = sorted(wanted - have)
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(2)
-    assert not missing, "dashboards/alerts use metrics nobody exports: %s" % missing
+
+    def all_exported() -> bool | Pending:
+        missing = wanted - _scraped_names(stack.http + "/metrics") - _scraped_names(stack.ray_metrics)
+        return Pending(sorted(missing)) if missing else True
+
+    # Ray's metrics agent reports every few seconds
+    wait_until(all_exported, 60, 2, "every metric the dashboards and alerts use to be exported (last: missing ones)")
 
 
 def test_prometheus_scrapes_the_stack(stack: Stack, tmp_path: Path) -> None:
@@ -89,17 +89,13 @@ def test_prometheus_scrapes_the_stack(stack: Stack, tmp_path: Path) -> None:
             "sum(rate(hybridpd_prompt_tokens_total[1m]))",  # throughput panel
             "sum by (instance) (ray_hybridpd_free_kv_blocks)",  # instances dashboard
         ]
-        deadline = time.monotonic() + 40
-        results: dict[str, list] = {}
-        while time.monotonic() < deadline:
-            time.sleep(2)
-            try:
-                results = {q: httpx.get(api, params={"query": q}, timeout=5).json()["data"]["result"] for q in queries}
-            except httpx.HTTPError:
-                continue
-            if all(results.values()):
-                break
-        assert all(results.values()), results
+
+        def answered() -> dict[str, list] | Pending:
+            results = {q: httpx.get(api, params={"query": q}, timeout=5).json()["data"]["result"] for q in queries}
+            return results if all(results.values()) else Pending(results)
+
+        # Prometheus scrapes every second and starts in a moment
+        wait_until(answered, 40, 2, "Prometheus to answer every dashboard query", retry_on=(httpx.HTTPError,))
         rules = httpx.get("http://127.0.0.1:%d/api/v1/rules" % port, timeout=5).json()["data"]["groups"]
         assert rules and len(rules[0]["rules"]) == 6
     finally:
