@@ -13,10 +13,13 @@ is D. Variants (each on a fresh ``hybridpd up``, same workload):
 * ``partial_eagle`` / ``aligned_eagle``: the first two with EAGLE on;
 * ``vllm-direct``: plain ``vllm serve`` (no hybridpd) with the tiny Qwen3-Next,
   prefix caching at unit u, the baseline users would otherwise run;
+* ``vllm-pd``: vLLM's own prefill/decode disaggregation (a prefill and a decode
+  ``vllm serve`` with the same flags, NixlConnector, and a proxy:
+  bench/vllm_pd.py), what users would run instead of our P/D;
 * ``vllm-partial``: our stack with ``--engine vllm`` and the same model, so it
-  compares with ``vllm-direct`` model for model.
+  compares with ``vllm-direct`` and ``vllm-pd`` model for model.
 
-The two vLLM variants need the vLLM environment (``make bootstrap-vllm``);
+The vLLM variants need the vLLM environment (``make bootstrap-vllm``);
 without it they are left out, with a note in the JSON.
 """
 
@@ -72,15 +75,17 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "partial_eagle": ["--prefix-match-unit", u, "--eagle", *common],
         "aligned_eagle": ["--prefix-match-unit", b, "--eagle", *common],
         "vllm-direct": [],  # not our stack: see _run_variant
+        "vllm-pd": [],  # not our stack: see _run_variant
         "vllm-partial": ["--engine", "vllm", "--dtype", "bfloat16", "--prefix-match-unit", u, *common],
     }
 
 
-VLLM_VARIANTS = ("vllm-direct", "vllm-partial")
+VLLM_VARIANTS = ("vllm-direct", "vllm-pd", "vllm-partial")
 
 
 def _run_variant(name: str, args: list[str], w: Workload, tmp: Path) -> dict[str, Any]:
     from bench.vllm_direct import VllmServer, vllm_venv
+    from bench.vllm_pd import VllmPd
 
     if name not in VLLM_VARIANTS:
         with StackProcess(tmp, args) as st:
@@ -91,6 +96,9 @@ def _run_variant(name: str, args: list[str], w: Workload, tmp: Path) -> dict[str
     if name == "vllm-direct":
         with VllmServer(venv, tmp, w.unit, max(16384, w.end + 64)) as srv:
             return run_workload(srv.http, w, name)
+    if name == "vllm-pd":
+        with VllmPd(venv, tmp, w.unit, max(16384, w.end + 64)) as pd:
+            return {**run_workload(pd.http, w, name), "server": pd.describe()}
     with StackProcess(
         tmp, [*args, "--max-num-batched-tokens", str(max(16384, w.end + 64))], 900, venv / "bin" / "hybridpd"
     ) as st:
@@ -225,7 +233,7 @@ def run(
         if only:
             results = {**_previous(json_path, w, quick), **results}
     for name, v in results.items():
-        for base in ("nocache", "aligned", "vllm-direct"):
+        for base in ("nocache", "aligned", "vllm-direct", "vllm-pd"):
             if base in results and name != base:
                 v["vs_" + base] = _ratios(v, results[base])
     checks = {}

@@ -257,24 +257,36 @@ def run_conversations(
     return out
 
 
+#: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
+#: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
+VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
+#: the variants in the order the JSON and tables list them
+ORDER = (*VARIANTS, *(v for v in VLLM_VARIANTS if v not in VARIANTS))
+
+
 def variants(w: Workload) -> dict[str, list[str]]:
-    """``hybridpd up`` flags per variant (vllm-direct: see ``_run_vllm``)."""
+    """``hybridpd up`` flags per variant (vllm-direct, vllm-pd: see ``_run_vllm``)."""
     common = ["--prefix-match-unit", str(w.unit), "--mamba-block-size", str(w.mamba_block_size), "--no-eagle"]
     return {
         "answers-cached": [*common, "--answer-checkpoints"],
         "prompt-only": [*common, "--no-answer-checkpoints"],
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
+        "vllm-pd": [],
     }
 
 
-def _run_vllm(plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
+def _run_vllm(name: str, plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
+    """``name`` (``VLLM_VARIANTS``); the tokenization is the server's ``/tokenize``
+    (vllm-pd: the prefill server's)."""
     from bench.vllm_direct import VllmServer
+    from bench.vllm_pd import VllmPd
 
     venv = vllm_venv()
     if venv is None:
         raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
-    with VllmServer(venv, tmp, w.unit, 8192) as srv:
+    server = VllmServer if name == "vllm-direct" else VllmPd
+    with server(venv, tmp, w.unit, 8192) as srv:
 
         def tokenize(body: dict[str, Any]) -> list[int]:
             resp = httpx.post(srv.http + "/tokenize", json={"model": "tiny", **body}, timeout=60)
@@ -289,7 +301,11 @@ def _run_vllm(plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
             return tokenize({"prompt": text, "add_special_tokens": False})
 
         out = run_conversations(srv.http, plan, w, Encoders(chat_ids, text_ids), native=False)
-    out["server"] = "vllm serve, prefix caching at unit %d, mamba_cache_mode=align (bench/vllm_direct.py)" % w.unit
+    out["server"] = (
+        srv.describe()
+        if isinstance(srv, VllmPd)
+        else "vllm serve, prefix caching at unit %d, mamba_cache_mode=align (bench/vllm_direct.py)" % w.unit
+    )
     return out
 
 
@@ -313,18 +329,18 @@ def run(
     def one(name: str, args: list[str]) -> dict[str, Any]:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
-            if name == "vllm-direct":
-                got = _run_vllm(plan, w, Path(tmp))
+            if name in VLLM_VARIANTS:
+                got = _run_vllm(name, plan, w, Path(tmp))
             else:
                 with StackProcess(Path(tmp), args) as st:
                     got = run_conversations(st.http, plan, w, enc, native=True)
         return {**got, "wall_s": time.monotonic() - t0}
 
     fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
-    results, notes = measure_variants(fns, repeats, {"vllm-direct": vllm_venv()} if "vllm-direct" in fns else {})
+    results, notes = measure_variants(fns, repeats, {n: vllm_venv() for n in fns if n in VLLM_VARIANTS})
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
-    results = {k: results[k] for k in VARIANTS if k in results}
+    results = {k: results[k] for k in ORDER if k in results}
     out = {
         "workload": asdict(w),
         "quick": quick,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import tempfile
 import time
@@ -170,8 +169,13 @@ def run_plan(
     }
 
 
+#: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
+#: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
+VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
+
+
 def variants(w: Workload) -> dict[str, list[str]]:
-    """``hybridpd up`` flags per variant (vllm-direct: see ``_run_vllm``). Answer
+    """``hybridpd up`` flags per variant (vllm-direct, vllm-pd: see ``_run_vllm``). Answer
     checkpoints (issue #17: prefill the model's own answer after a chat turn) are
     off where the config has them: the plan's answers are made up, so no later
     request continues the model's, and their prefills would add store bytes."""
@@ -185,30 +189,23 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "branch-aware": [*common, "--checkpoint-policy", "branch-aware"],
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
+        "vllm-pd": [],
     }
 
 
-def _vllm_server(venv: Path, tmp: Path, unit: int, max_model_len: int) -> tuple[Any, str]:
-    """Plain ``vllm serve`` with its shared-prefix junction option: through
-    ``VllmServer``'s own parameter for it when it has one, else as a serve flag."""
+def _run_vllm(name: str, plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
+    """``name`` (``VLLM_VARIANTS``) with its shared-prefix junction option (``vllm serve
+    --enable-mamba-shared-prefix-checkpoint``; for vllm-pd on both servers); chat
+    prompts' ids from the server's ``/tokenize`` (vllm-pd: the prefill server's)."""
     from bench.vllm_direct import VllmServer
+    from bench.vllm_pd import VllmPd
 
-    flag = "--enable-mamba-shared-prefix-checkpoint"
-    param = next((p for p in inspect.signature(VllmServer).parameters if "shared_prefix" in p), None)
-    if param is not None:
-        kwargs: dict[str, Any] = {param: True}
-        return VllmServer(venv, tmp, unit, max_model_len, **kwargs), "VllmServer(%s=True)" % param
-    srv = VllmServer(venv, tmp, unit, max_model_len)
-    srv.argv.append(flag)
-    return srv, "serve flag %s" % flag
-
-
-def _run_vllm(plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
     venv = vllm_venv()
     if venv is None:
         raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
-    srv, how = _vllm_server(venv, tmp, w.unit, 4096)
-    with srv:
+    server = VllmServer if name == "vllm-direct" else VllmPd
+    how = "%s(shared_prefix_checkpoint=True)" % server.__name__
+    with server(venv, tmp, w.unit, 4096, shared_prefix_checkpoint=True) as srv:
 
         def encode(msgs: Messages) -> list[int]:  # vLLM's own chat template and tokenizer
             body = {"model": "tiny", "messages": [{"role": r, "content": c} for r, c in msgs]}
@@ -217,6 +214,8 @@ def _run_vllm(plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[st
             return list(resp.json()["tokens"])
 
         out = run_plan(srv.http, plan, w, encode, native=False)
+    if isinstance(srv, VllmPd):
+        out["server"] = srv.describe()
     out["junction_option"] = how + (
         "; vLLM 0.32 enables it only with EAGLE on the Mamba group (KVCacheManager:"
         " coordinator.eagle_group_ids), so with EAGLE off (CPU) it is inert"
@@ -243,15 +242,15 @@ def run(
     def one(name: str, args: list[str]) -> dict[str, Any]:
         t0 = time.monotonic()
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
-            if name == "vllm-direct":
-                got = _run_vllm(plan, w, Path(tmp))
+            if name in VLLM_VARIANTS:
+                got = _run_vllm(name, plan, w, Path(tmp))
             else:
                 with StackProcess(Path(tmp), args) as st:
                     got = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
         return {**got, "wall_s": time.monotonic() - t0}
 
     fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
-    results, notes = measure_variants(fns, repeats, {"vllm-direct": vllm_venv()} if "vllm-direct" in fns else {})
+    results, notes = measure_variants(fns, repeats, {n: vllm_venv() for n in fns if n in VLLM_VARIANTS})
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
     out = {

@@ -10,7 +10,10 @@ as an outside user would, against:
 * ``stack-vllm``: ``hybridpd up --engine vllm --model tiny`` (tiny Qwen3-Next);
 * ``vllm-direct``: plain ``vllm serve`` of the same tiny Qwen3-Next (prefix
   caching at the same unit): what the vLLM engine alone gives, model for
-  model with ``stack-vllm``.
+  model with ``stack-vllm``;
+* ``vllm-pd``: vLLM's own prefill/decode disaggregation of the same model (a
+  prefill and a decode ``vllm serve`` with the same flags over NixlConnector,
+  and a proxy: bench/vllm_pd.py): what users would run instead of our P/D.
 
 Workloads: ``random`` (1,024 prompt tokens, 32 output tokens, ``--ignore-eos``)
 at concurrency 1 and 4, and ``prefix_repetition`` (4 prefixes of 2,000
@@ -36,6 +39,7 @@ from typing import Any
 
 from bench.report import write_json
 from bench.vllm_direct import VllmServer, tiny_model, vllm_venv
+from bench.vllm_pd import VllmPd
 from launch.stack_process import StackProcess
 
 WORKLOADS: dict[str, tuple[list[str], int]] = {
@@ -110,7 +114,7 @@ def run(json_path: Path, quick: bool, repeats: int = 3) -> dict[str, Any]:
     prompts = 8 if quick else 32
     raw_dir = json_path.parent / (json_path.stem + "_runs")
     with tempfile.TemporaryDirectory(prefix="hybridpd-vllm-client-") as tmp:
-        targets: dict[str, Callable[[], StackProcess | VllmServer]] = {
+        targets: dict[str, Callable[[], StackProcess | VllmServer | VllmPd]] = {
             "stack-native": lambda: StackProcess(Path(tmp) / "native", ["--max-model-len", "4096"]),
             "stack-vllm": lambda: StackProcess(
                 Path(tmp) / "vllm",
@@ -119,6 +123,7 @@ def run(json_path: Path, quick: bool, repeats: int = 3) -> dict[str, Any]:
                 venv / "bin" / "hybridpd",
             ),
             "vllm-direct": lambda: VllmServer(venv, Path(tmp), 16, 4096),
+            "vllm-pd": lambda: VllmPd(venv, Path(tmp), 16, 4096),
         }
         done: dict[str, int] = dict.fromkeys(targets, 0)
 

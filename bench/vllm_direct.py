@@ -3,7 +3,8 @@
 The vLLM environment (``.venv-vllm``, ``make bootstrap-vllm``; or
 ``HYBRIDPD_VLLM_VENV``) provides ``vllm`` and builds the tiny Qwen3-Next that
 our ``--engine vllm`` stack serves too, so both run the same model with the
-same caching settings.
+same caching settings. :func:`serve_argv` is that ``vllm serve`` command line, shared
+with vLLM's own prefill/decode setup (``vllm-pd``, bench/vllm_pd.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -45,12 +47,69 @@ def tiny_model(venv: Path) -> Path | str:
 SHARED_PREFIX_FLAG = "--enable-mamba-shared-prefix-checkpoint"
 
 
+def serve_argv(
+    venv: Path,
+    model: Path | str,
+    port: int,
+    unit: int,
+    max_model_len: int,
+    *,
+    shared_prefix_checkpoint: bool = True,
+) -> list[str]:
+    """``vllm serve`` of ``model`` as ``tiny`` on 127.0.0.1:``port``: bf16, prefix
+    caching in ``mamba_cache_mode=align`` at ``prefix_match_unit=unit``, prompt token
+    details in usage, eager; with vLLM's junction checkpoints (:data:`SHARED_PREFIX_FLAG`)
+    unless ``shared_prefix_checkpoint`` is False. The one argv both vLLM baselines
+    (``vllm-direct``; each server of ``vllm-pd``, bench/vllm_pd.py) start from."""
+    argv = [
+        str(venv / "bin" / "vllm"),
+        "serve",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-batched-tokens",
+        str(max_model_len),
+        "--enable-prefix-caching",
+        "--mamba-cache-mode",
+        "align",
+        "--prefix-match-unit",
+        str(unit),
+        "--enable-prompt-tokens-details",
+        "--enforce-eager",
+    ]
+    if shared_prefix_checkpoint:
+        argv.append(SHARED_PREFIX_FLAG)
+    return argv
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    """The end of a server's log (empty if there is none yet)."""
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
 class VllmServer:
     """``vllm serve`` on loopback, serving the model as ``tiny`` with prefix caching
     (``mamba_cache_mode=align`` at ``unit``) and, unless ``shared_prefix_checkpoint``
     is False, vLLM's own junction checkpoints (:data:`SHARED_PREFIX_FLAG`): the
     ``vllm-direct`` baseline runs vLLM's branch policy, as ``--engine vllm`` does
-    under ``checkpoint_policy: branch-aware``."""
+    under ``checkpoint_policy: branch-aware``.
+
+    ``extra_argv`` and ``env`` (added to the environment) are for servers that are
+    one part of a setup (``vllm-pd``'s prefill and decode servers: a
+    ``--kv-transfer-config`` and a NIXL side-channel port each); ``model`` skips
+    resolving :func:`tiny_model` again. ``start`` / ``wait_ready`` / ``stop`` let a
+    caller start several servers at once; the context manager does all three."""
 
     def __init__(
         self,
@@ -61,59 +120,60 @@ class VllmServer:
         log_name: str = "vllm.log",
         *,
         shared_prefix_checkpoint: bool = True,
+        extra_argv: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        model: Path | str | None = None,
     ) -> None:
         self.venv = venv
         self.port = free_port()
         self.log = workdir / log_name
-        self.argv = [
-            str(venv / "bin" / "vllm"),
-            "serve",
-            str(tiny_model(venv)),
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--dtype",
-            "bfloat16",
-            "--max-model-len",
-            str(max_model_len),
-            "--max-num-batched-tokens",
-            str(max_model_len),
-            "--enable-prefix-caching",
-            "--mamba-cache-mode",
-            "align",
-            "--prefix-match-unit",
-            str(unit),
-            "--enable-prompt-tokens-details",
-            "--enforce-eager",
-        ]
-        if shared_prefix_checkpoint:
-            self.argv.append(SHARED_PREFIX_FLAG)
+        self.argv = serve_argv(
+            venv,
+            tiny_model(venv) if model is None else model,
+            self.port,
+            unit,
+            max_model_len,
+            shared_prefix_checkpoint=shared_prefix_checkpoint,
+        )
+        self.argv.extend(extra_argv)
+        self.env = dict(env or {})
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def http(self) -> str:
         return "http://127.0.0.1:%d" % self.port
 
-    def __enter__(self) -> VllmServer:
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4")}
+    def start(self) -> None:
+        """Start ``vllm serve`` (returns at once; :meth:`wait_ready` waits for it)."""
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+            **self.env,
+        }
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.__exit__()
-                raise UnavailableError("vllm serve did not start:\n" + self.log.read_text(errors="replace")[-3000:])
-            try:
-                if httpx.get(self.http + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
+
+    def exited(self) -> int | None:
+        """The exit status if the server has exited (None while it runs or before start)."""
+        return None if self.proc is None else self.proc.poll()
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(self.http + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_ready(self, timeout_s: float = 600) -> None:
+        """Wait until ``/health`` answers 200; stop it and raise ``UnavailableError``
+        with its log's tail if it exits first or ``timeout_s`` passes."""
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self.exited() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise UnavailableError("vllm serve did not start:\n" + log_tail(self.log))
             time.sleep(1.0)
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
@@ -121,3 +181,11 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -208,8 +208,8 @@ def _echo_report(json_path: str, out: dict[str, Any]) -> None:
     "variants",
     multiple=True,
     help="Run only these variants (partial, aligned, nocache, roundrobin, partial_eagle, aligned_eagle,"
-    " vllm-direct, vllm-partial) and merge them into the same workload's results already in --json."
-    " vllm-* need the vLLM environment (make bootstrap-vllm).",
+    " vllm-direct, vllm-pd, vllm-partial) and merge them into the same workload's results already in --json."
+    " vllm-* need the vLLM environment (make bootstrap-vllm); vllm-pd is vLLM's own prefill/decode setup.",
 )
 @click.option(
     "--workload",
@@ -260,9 +260,9 @@ def bench_growing_streams(
     "--variant",
     "variants",
     multiple=True,
-    type=click.Choice(["tail-only", "branch-aware", "nocache", "vllm-direct"]),
+    type=click.Choice(["tail-only", "branch-aware", "nocache", "vllm-direct", "vllm-pd"]),
     help="Run only these variants and merge them into the same workload's results already in --json"
-    " (vllm-direct needs the vLLM environment: make bootstrap-vllm).",
+    " (vllm-direct and vllm-pd, vLLM's own prefill/decode setup, need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(
     "--workload",
@@ -307,9 +307,9 @@ def bench_shared_prefix(
     "--variant",
     "variants",
     multiple=True,
-    type=click.Choice(["answers-cached", "prompt-only", "nocache", "vllm-direct"]),
+    type=click.Choice(["answers-cached", "prompt-only", "nocache", "vllm-direct", "vllm-pd"]),
     help="Run only these variants and merge them into the same workload's results already in --json"
-    " (vllm-direct needs the vLLM environment: make bootstrap-vllm).",
+    " (vllm-direct and vllm-pd, vLLM's own prefill/decode setup, need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(
     "--workload",
@@ -449,7 +449,7 @@ def bench_overhead(
     help="Start and measure each target this many times, interleaved; the JSON keeps every repeat.",
 )
 def bench_vllm_client(json_path: str, quick: bool, repeats: int) -> None:
-    """`vllm bench serve` against the stack (native, vLLM engine) and plain `vllm serve`."""
+    """`vllm bench serve` against the stack (native, vLLM engine), plain `vllm serve` and vLLM's own P/D."""
     from pathlib import Path
 
     from bench import vllm_client
