@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tests.wait import wait_until
+
 
 def store_put_worker(master: str, metadata_url: str, model: str, q_out: Any, q_in: Any) -> None:
     from hybridpd.store.client import CheckpointStore
@@ -30,8 +32,10 @@ def nixl_offer_worker(q_out: Any, q_in: Any, timeout_s: float, corrupt: bool) ->
     if corrupt:
         big[12345] ^= 0xFF  # after the checksum was taken: a corrupted buffer
     q_out.put(desc)
-    q_in.get(timeout=120)
-    time.sleep(0.2)
+    if q_in.get(timeout=120) == "report":  # the reader is done: wait until its release (or the expiry) is noticed
+        wait_until(lambda: server.outstanding() == 0, 10, 0.01, "the offer released or expired")
+    else:  # "report-held": the offer must stay held; no message says a (wrong) release will not come
+        time.sleep(0.2)
     q_out.put({"outstanding": server.outstanding(), "released": server.released, "expired": server.expired})
     q_in.get(timeout=120)
     server.close()

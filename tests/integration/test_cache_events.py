@@ -13,12 +13,14 @@ import pytest
 
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from services.prefill.actor import PrefillWorker
 from services.router.routing import choose
 from services.worker.messages import PrefillCommand
 from tests.unit.toy_engine import ToyEngine
+from tests.wait import Pending, wait_until
 
 NAME = "prefill-0"
 
@@ -79,16 +81,12 @@ def test_events_of_an_outage_are_replayed_in_order(tmp_path: Path) -> None:
             w.prefill(PrefillCommand(_req("x%d" % i, seed)))
         assert time.monotonic() - t0 < 10  # prefills do not wait on a dead index
         srv.start()  # same port, empty
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                kv, _ = index.local_entries(NAME)
-            except Exception:
-                kv = set()
-            if kv == set(eng.cache):
-                break
-            assert time.monotonic() < deadline, "replay never converged: %d vs %d" % (len(kv), len(eng.cache))
-            time.sleep(0.2)
+
+        def replayed() -> bool | Pending:
+            kv, _ = index.local_entries(NAME)
+            return kv == set(eng.cache) or Pending("%d of %d hashes" % (len(kv), len(eng.cache)))
+
+        wait_until(replayed, 15, 0.2, "the outage's events replayed in the index", retry_on=(UnavailableError,))
     finally:
         w.close()
         srv.stop()

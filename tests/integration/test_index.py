@@ -20,6 +20,7 @@ from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
 from hybridpd.store.master import MooncakeMaster
 from tests.unit.engine_helpers import make_engine, prompt, req
+from tests.wait import wait_until
 
 UNIT = 4
 HASHER = BlockHasher(unit=UNIT, seed="index-test")
@@ -154,7 +155,7 @@ def test_dead_instances_drop_out(redis_server: RedisServer) -> None:
     index.heartbeat("b", InstanceLoad())
     assert set(index.lookup(chain, 40, UNIT, False).instance_hits) == {"a", "b"}
     assert index.live_instances()["a"] == InstanceLoad(1, 2, 3)
-    time.sleep(0.4)
+    wait_until(lambda: "a" not in index.live_instances(), 5, what="a's heartbeat (ttl 0.3 s) to expire")
     index.heartbeat("b", InstanceLoad())
     assert index.lookup(chain, 40, UNIT, False).instance_hits == {"b": 36}
     assert set(index.live_instances()) == {"b"}

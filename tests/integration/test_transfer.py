@@ -17,6 +17,7 @@ import torch
 from hybridpd.errors import IntegrityError
 from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffError
 from tests.integration.store_worker import nixl_offer_worker, nixl_server_worker
+from tests.wait import Pending, wait_until
 
 
 def _start(timeout_s: float, corrupt: bool):  # type: ignore[no-untyped-def]
@@ -27,8 +28,9 @@ def _start(timeout_s: float, corrupt: bool):  # type: ignore[no-untyped-def]
     return p, q_out, q_in, q_out.get(timeout=120)
 
 
-def _finish(p, q_out, q_in) -> dict:  # type: ignore[no-untyped-def]
-    q_in.put("report")
+def _finish(p, q_out, q_in, held: bool = False) -> dict:  # type: ignore[no-untyped-def]
+    """The offer's counters once it is released or expired (``held``: while it must stay held)."""
+    q_in.put("report-held" if held else "report")
     stats = q_out.get(timeout=60)
     q_in.put("exit")
     p.join(60)
@@ -53,14 +55,14 @@ def test_corrupted_buffer_detected() -> None:
     client = HandoffClient("decode-test-2")
     with pytest.raises(IntegrityError, match="checksum"):
         client.fetch(desc)
-    stats = _finish(p, q_out, q_in)
+    stats = _finish(p, q_out, q_in, held=True)
     assert stats["released"] == 0  # never acknowledged: prefill keeps it until its timeout
     client.close()
 
 
 def test_read_after_timeout_fails_cleanly() -> None:
     p, q_out, q_in, desc = _start(timeout_s=0.5, corrupt=False)
-    time.sleep(1.0)
+    time.sleep(1.0)  # the scenario: a reader that comes after the 0.5 s timeout
     client = HandoffClient("decode-test-3")
     with pytest.raises(HandoffError, match="expired"):
         client.fetch(desc)
@@ -83,10 +85,8 @@ def test_expired_inference_tensors_are_scrubbed_and_freed() -> None:
     with torch.inference_mode():
         buf = torch.ones(1024)
     server.offer([buf])
-    deadline = time.monotonic() + 5
-    while server.outstanding() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.outstanding() == 0 and server.expired == 1
+    wait_until(lambda: server.outstanding() == 0, 5, what="the offer to expire (timeout 0.2 s)")
+    assert server.expired == 1
     assert float(buf.abs().sum()) == 0.0  # zeroed before release
     server.close()
 
@@ -105,9 +105,18 @@ class _Server:
         self.q_in.put((cmd, arg))
         return self.q_out.get(timeout=120)
 
+    def settled(self, timeout_s: float, what: str) -> dict:
+        """The report once no offer is outstanding (each released or expired)."""
+
+        def report() -> dict | Pending:
+            rep = self.call("report")
+            return rep if rep["outstanding"] == 0 else Pending(rep)
+
+        return wait_until(report, timeout_s, 0.01, what)
+
     def idle_cpu_s(self, seconds: float) -> float:
         before = self.call("report")["cpu_s"]
-        time.sleep(seconds)
+        time.sleep(seconds)  # the measurement window
         return self.call("report")["cpu_s"] - before
 
     def close(self) -> None:
@@ -133,8 +142,8 @@ def test_idle_server_uses_no_cpu_and_releases_are_noticed_within_milliseconds(
             bufs = client.fetch(desc)
             done[desc.handoff_id] = time.time()  # fetch returns right after its release notification
             del bufs
-        time.sleep(0.2)
-        rep = server.call("report")
+        # fetch returned after its release notification was sent; the server notices it in a moment
+        rep = server.settled(10, "every release noticed")
         assert (rep["outstanding"], rep["released"], rep["expired"]) == (0, len(sizes), 0)
         lag_ms = [(rep["released_at"][h] - t) * 1000 for h, t in done.items()]
         # the server polls every 1 ms while offers are outstanding; the bound on the worst case
@@ -172,9 +181,7 @@ def test_many_in_flight_from_two_readers_all_verified_and_released() -> None:
         for t in threads:
             t.join(120)
         assert not errors, errors
-        deadline = time.monotonic() + 5
-        while (rep := server.call("report"))["outstanding"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        rep = server.settled(5, "every release noticed")
         assert (rep["outstanding"], rep["released"], rep["expired"]) == (0, len(sizes), 0)
     finally:
         server.close()
@@ -184,9 +191,7 @@ def test_unread_offers_expire_and_the_server_goes_idle() -> None:
     server = _Server(timeout_s=0.5)
     try:
         server.call("offer", [1 << 20] * 5)
-        deadline = time.monotonic() + 5
-        while (rep := server.call("report"))["outstanding"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        rep = server.settled(5, "the offers to expire (timeout 0.5 s)")
         assert (rep["outstanding"], rep["released"], rep["expired"]) == (0, 0, 5)
         assert server.idle_cpu_s(2.0) < 0.02
     finally:

@@ -135,6 +135,8 @@ def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str
     feed = eng.feed
     assert feed is not None
     index = PrefixIndex(redis_url, eng.model_id)
+    # NOTE: a fixed wait, not a poll: ZMQ PUB/SUB drops what is published before the
+    # subscription reaches the publisher, and nothing tells the subscriber that it has
     time.sleep(0.5)  # the subscriber joins before the first event
     out: dict[str, Any] = {"model_id": eng.model_id}
     for rid, toks, salt in prompts:
@@ -144,6 +146,8 @@ def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str
             for o in eng.step():
                 cached = max(cached, o.num_cached_tokens)
         out[rid] = cached
+        # NOTE: a fixed wait, not a poll: vLLM publishes a batch only for a step with events,
+        # so "every batch arrived" is not observable from here without vLLM's internals
         time.sleep(0.5)  # events are published after the step that stored the blocks
         index.apply_local("vllm-0", eng.pop_cache_events())
     out["feed"] = {
