@@ -7,7 +7,6 @@ tests/vllm/test_engine.py)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -73,7 +72,9 @@ def test_second_prefill_instance_loads_the_prefix_from_mooncake_store(vstack: St
     grown = base + tokens(300, 22)
     first = _complete(vstack, base, 8, hybridpd_prefill_instance="prefill-0")
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    time.sleep(2.0)  # vLLM's store connector saves asynchronously after the step
+    # vLLM's store connector saves asynchronously after the step, holding a reference on
+    # the blocks it reads until the save is done: every block free again = base is stored
+    vstack.wait_all_free(120)
     got = _complete(vstack, grown, 8, hybridpd_prefill_instance="prefill-1")
     # prefill-1 never saw base: its hit came from MooncakeStore (vLLM's MooncakeStoreConnector)
     assert got.usage.prompt_tokens_details.cached_tokens >= 1280
