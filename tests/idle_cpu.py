@@ -36,10 +36,10 @@ def idle_cpu(pids: dict[str, int], warmup_s: float = 10.0, window_s: float = 24.
     procs = {name: psutil.Process(pid) for name, pid in pids.items()}
     for name, proc in procs.items():
         assert proc.cmdline()[0].startswith("ray::"), (name, proc.cmdline())
-    time.sleep(warmup_s)
+    time.sleep(warmup_s)  # the scenario: the stack left idle (startup work done)
     before = {name: _cpu_s(p) for name, p in procs.items()}
     t0 = time.monotonic()
-    time.sleep(window_s)
+    time.sleep(window_s)  # the measurement window
     after = {name: _cpu_s(p) for name, p in procs.items()}
     elapsed = time.monotonic() - t0
     return {name: (after[name] - before[name]) / elapsed for name in procs}
