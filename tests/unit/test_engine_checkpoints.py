@@ -189,8 +189,8 @@ def _stored_states(events: list[CacheEvent]) -> set[BlockHash]:
 
 @pytest.mark.parametrize(
     ("eagle", "budget", "block"),
-    [(False, 4096, 64), (False, 48, 64), (True, 4096, 64), (False, 48, None), (True, 4096, None)],
-    ids=["4096-B64", "48-B64", "eagle-4096-B64", "48-Bu", "eagle-4096-Bu"],
+    [(eagle, budget, block) for block in BLOCKS for eagle, budget in ((False, 4096), (False, 48), (True, 4096))],
+    ids=["4096-B64", "48-B64", "eagle-4096-B64", "4096-Bu", "48-Bu", "eagle-4096-Bu"],
 )
 def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int, block: int | None) -> None:
     """u=16, B=64 or B=u, a=16; junctions 70, 100, 150, 250 of a 300-token prompt:
