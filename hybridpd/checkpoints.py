@@ -323,7 +323,7 @@ PREFIX_OUTCOMES = ("hit", "checkpoint_missing", "evicted", "no_shared_prefix", "
 
 
 def prefix_token_split(
-    num_tokens: int, unit: int, drop_eagle_block: bool, hit: int, known: int, seen: int
+    num_tokens: int, unit: int, drop_eagle_block: bool, hit: int, known: int, seen: int, backoff: int = 0
 ) -> dict[str, int]:
     """Why a prompt's tokens were (not) restored, as a partition of ``num_tokens``:
 
@@ -338,7 +338,9 @@ def prefix_token_split(
       largest hit the hit rule allows (``(N - 1) // u * u``, one unit less with
       EAGLE);
     - ``below_unit``: the tokens no hit can cover (the last partial unit, the
-      token the prefill must compute, EAGLE's replay unit).
+      token the prefill must compute, EAGLE's replay unit, and the ``backoff``
+      tokens a prefill does not compute at all: vLLM's P/D prefill stops one token
+      short, so its largest hit is ``(N - 2) // u * u``).
 
     >>> prefix_token_split(100, 16, False, hit=32, known=64, seen=80)
     {'hit': 32, 'checkpoint_missing': 32, 'evicted': 16, 'no_shared_prefix': 16, 'below_unit': 4}
@@ -346,7 +348,8 @@ def prefix_token_split(
     {'hit': 0, 'checkpoint_missing': 0, 'evicted': 0, 'no_shared_prefix': 0, 'below_unit': 10}
     """
     drop = unit if drop_eagle_block else 0
-    cap = max((num_tokens - 1) // unit * unit - drop, 0) if num_tokens > 0 else 0
+    computed = num_tokens - backoff if num_tokens > backoff else num_tokens
+    cap = max((computed - 1) // unit * unit - drop, 0) if computed > 0 else 0
     h = min(max(hit, 0), cap)
     k = min(max(known - drop, h), cap)
     s = min(max(seen - drop, k), cap)

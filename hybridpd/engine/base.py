@@ -176,11 +176,15 @@ class CacheEventKind(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class CacheEvent:
     """A change to an engine's local prefix cache, in chain hashes
-    (``hybridpd.hashing``): the index entries of this instance follow it."""
+    (``hybridpd.hashing``): the index entries of this instance follow it.
+    ``store``: a change to the shared store instead (an engine whose own
+    connector writes MooncakeStore reports its puts so; the index's store
+    entries follow them, and their removals are never reported)."""
 
     kind: CacheEventKind
     group: CacheGroup | None
     hashes: tuple[BlockHash, ...] = ()
+    store: bool = False
 
 
 @dataclass(slots=True)
@@ -276,6 +280,12 @@ class Engine(Protocol):
 
     def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """The hit an admission of this prompt would get now (no side effects)."""
+        ...
+
+    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
+        """Where this engine's prefill of ``request`` from a hit of ``num_cached``
+        tokens leaves its tail state checkpoint (0: none). The router remembers it
+        on the instance until the index reports it (``RecentPrefills``)."""
         ...
 
     def queued_prompt_tokens(self) -> int:

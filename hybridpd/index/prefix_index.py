@@ -125,12 +125,24 @@ class PrefixIndex:
 
     def apply_local(self, instance: str, events: Sequence[CacheEvent]) -> None:
         """Mirror ``instance``'s cache events, in order, in one round trip (idempotent:
-        replaying a batch that failed half-way gives the same entries)."""
+        replaying a batch that failed half-way gives the same entries). Events
+        marked ``store`` write the store entries instead (``kv:``/``st:`` with the
+        TTL; a store removal deletes them; the store is never cleared)."""
         if not events:
             return
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             for ev in events:
+                if ev.store:
+                    if ev.kind is CacheEventKind.CLEARED or not ev.hashes:
+                        continue
+                    keys = [self.keys.kv(h) if ev.group is CacheGroup.KV else self.keys.st(h) for h in ev.hashes]
+                    if ev.kind is CacheEventKind.STORED:
+                        for k in keys:
+                            pipe.set(k, 1, ex=self.ttl_s)
+                    else:
+                        pipe.delete(*keys)
+                    continue
                 if ev.kind is CacheEventKind.CLEARED:
                     pipe.delete(self.keys.local_kv(instance), self.keys.local_st(instance))
                     continue

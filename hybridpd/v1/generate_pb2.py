@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridpd/v1/generate.proto\x12\x0bhybridpd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.hybridpd.v1.ChatMessage\"\x99\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.hybridpd.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x19.hybridpd.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x08 \x03(\rB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"\x9c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.hybridpd.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.hybridpd.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1d.hybridpd.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.hybridpd.v1.AbortRequest\x1a\x1a.hybridpd.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridpd/v1/generate.proto\x12\x0bhybridpd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.hybridpd.v1.ChatMessage\"\x99\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.hybridpd.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x19.hybridpd.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x08 \x03(\rB\x08\n\x06prompt\"\x82\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1c\n\x0fpromised_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_promised_tokens\"\x9c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.hybridpd.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.hybridpd.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1d.hybridpd.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.hybridpd.v1.AbortRequest\x1a\x1a.hybridpd.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridpd.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=895
-  _globals['_FINISHREASON']._serialized_end=1015
+  _globals['_FINISHREASON']._serialized_start=946
+  _globals['_FINISHREASON']._serialized_end=1066
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_CHATMESSAGE']._serialized_start=68
@@ -43,14 +43,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_end=328
   _globals['_GENERATEREQUEST']._serialized_start=331
   _globals['_GENERATEREQUEST']._serialized_end=584
-  _globals['_USAGE']._serialized_start=586
-  _globals['_USAGE']._serialized_end=666
-  _globals['_GENERATERESPONSE']._serialized_start=669
-  _globals['_GENERATERESPONSE']._serialized_end=825
-  _globals['_ABORTREQUEST']._serialized_start=827
-  _globals['_ABORTREQUEST']._serialized_end=861
-  _globals['_ABORTRESPONSE']._serialized_start=863
-  _globals['_ABORTRESPONSE']._serialized_end=893
-  _globals['_GENERATION']._serialized_start=1018
-  _globals['_GENERATION']._serialized_end=1169
+  _globals['_USAGE']._serialized_start=587
+  _globals['_USAGE']._serialized_end=717
+  _globals['_GENERATERESPONSE']._serialized_start=720
+  _globals['_GENERATERESPONSE']._serialized_end=876
+  _globals['_ABORTREQUEST']._serialized_start=878
+  _globals['_ABORTREQUEST']._serialized_end=912
+  _globals['_ABORTRESPONSE']._serialized_start=914
+  _globals['_ABORTRESPONSE']._serialized_end=944
+  _globals['_GENERATION']._serialized_start=1069
+  _globals['_GENERATION']._serialized_end=1220
 # @@protoc_insertion_point(module_scope)

@@ -197,6 +197,7 @@ class PrefillWorker(WorkerBase):
             num_cached_tokens=out.num_cached_tokens,
             loaded_from_store=loaded,
             ticket=ticket,
+            tail_checkpoint=self.engine.tail_checkpoint(req, out.num_cached_tokens, True),
         )
 
     def _maybe_load(self, cmd: PrefillCommand) -> int:

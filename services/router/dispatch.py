@@ -89,6 +89,13 @@ class Flight:
             actor.abort.remote(self.request_id)
 
 
+def prefill_backoff(cfg: HybridPDConfig) -> int:
+    """Trailing prompt tokens our prefill instances do not compute: 1 on the vLLM
+    engine (vLLM 0.32's NixlConnector truncates a hybrid model's P/D prefill by one
+    token; a vLLM-tier test checks ``VllmEngine.prefill_backoff`` agrees), 0 native."""
+    return 1 if cfg.engine == "vllm" else 0
+
+
 class Dispatcher:
     """Routing state and actor calls of one router (event-loop confined).
 
@@ -115,6 +122,10 @@ class Dispatcher:
         self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
         #: how far we routed each prefix before (the ``evicted`` outcome)
         self.seen_prefixes = SeenPrefixes()
+        #: prompt tokens a prefill does not compute: vLLM's P/D prefill stops one short (its
+        #: NixlConnector truncates a hybrid model's prompt; ``VllmEngine.prefill_backoff``), so
+        #: its hits and tail lie below ``N - 1`` and the lookup is capped as it is
+        self.prefill_backoff = prefill_backoff(cfg)
         self._rr_decode = itertools.count()
         self._rr_prefill = itertools.count()
 
@@ -158,15 +169,39 @@ class Dispatcher:
         hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
-            res = await asyncio.to_thread(self.index.lookup, hashes, n, self.cfg.prefix_match_unit, self.cfg.eagle)
+            m = n - self.prefill_backoff if n > self.prefill_backoff else n  # the tokens the prefill computes
+            res = await asyncio.to_thread(self.index.lookup, hashes, m, self.cfg.prefix_match_unit, self.cfg.eagle)
             self.metrics.live_prefill.set(len(res.instance_hits))
-            local = self.recent.merge(hashes, n, res.instance_hits)
+            local = self.recent.merge(hashes, m, res.instance_hits)
             return _Hits(hashes, local, res.store_hit, True, res.known)
         except UnavailableError as exc:
             logger.warning("prefix index unavailable, routing on load only: %s", exc)
             return _Hits(hashes, {}, 0, False)
         finally:
             self.metrics.index_lookup.observe(time.perf_counter() - t0)
+
+    def broken_promise(self, route: Route, pr: PrefillResult) -> None:
+        """The prefill restored less than the lookup promised. Where our store entries
+        mirror another writer's puts (vLLM's MooncakeStoreConnector: its evictions are
+        never reported), a store promise that a load could not keep drops the state
+        entry it rested on, off the event loop; the next lookup finds the next one.
+        The native engine repairs its own store entries when a load fails
+        (``store/loader.py``); local entries follow the engines' events."""
+        d = route.decision
+        if self.cfg.engine != "vllm" or self.index is None or route.hashes is None:
+            return
+        if d.store_hit <= max(d.local_hit, pr.num_cached_tokens) or pr.instance != d.instance:
+            return
+        state = route.hashes[d.store_hit // self.cfg.prefix_match_unit - 1]
+        self.metrics.store_repairs.inc()
+        asyncio.get_running_loop().run_in_executor(None, self._remove_store_state, state)
+
+    def _remove_store_state(self, state: BlockHash) -> None:
+        assert self.index is not None
+        try:
+            self.index.remove_store(state_hashes=[state])
+        except UnavailableError as exc:
+            logger.debug("store entry not repaired (index unavailable): %s", exc)
 
     async def seen(self, route: Route) -> int:
         """How far (tokens) we routed ``route``'s prompt before; then remember it. Off
@@ -223,7 +258,7 @@ class Dispatcher:
         finally:
             self.queued[name] -= work
         if hashes:
-            self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens)
+            self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens, pr.tail_checkpoint)
         return pr
 
     def answer(self, instance: str, req: EngineRequest) -> bool:

@@ -86,6 +86,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                             prompt_tokens=ev.usage.prompt_tokens,
                             cached_tokens=ev.usage.cached_tokens,
                             completion_tokens=ev.usage.completion_tokens,
+                            promised_tokens=ev.usage.promised_tokens,
                         )
                     )
                 yield resp

@@ -57,6 +57,22 @@ class RouterMetrics:
         )
         for outcome in PREFIX_OUTCOMES:
             self.prefix_tokens.labels(outcome)
+        self.index_promise_tokens = Counter(
+            "hybridpd_index_promise_tokens",
+            "Prompt tokens the prefix index promised on the instance a request was routed to (its local or the"
+            " store's hit): kept (restored) or broken (promised but computed: the index claimed what the engine"
+            " could not deliver).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("kept", "broken"):
+            self.index_promise_tokens.labels(outcome)
+        self.store_repairs = Counter(
+            "hybridpd_index_store_repairs",
+            "Store state entries dropped because a prefill restored less than they promised (vLLM engine: its"
+            " store connector's evictions are never reported).",
+            registry=r,
+        )
         self.answer_checkpoints = Counter(
             "hybridpd_answer_checkpoints_requested",
             "Chat answers sent to their prefill instance to become part of the cached prefix.",

@@ -291,7 +291,13 @@ def _usage(ev: Event) -> dict:
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    } | ({"hybridpd_prefix_tokens": dict(u.prefix_tokens)} if u.prefix_tokens is not None else {})
+    } | (
+        {"hybridpd_prefix_tokens": dict(u.prefix_tokens), "hybridpd_promised_tokens": u.promised_tokens}
+        if u.prefix_tokens is not None and u.promised_tokens is not None
+        else {"hybridpd_prefix_tokens": dict(u.prefix_tokens)}
+        if u.prefix_tokens is not None
+        else {}
+    )
 
 
 async def _sse(

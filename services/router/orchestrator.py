@@ -115,9 +115,9 @@ class Orchestrator:
         run = _Run(req, api, deadline, Flight(req.request_id), answer=answer)
         self.running[req.request_id] = run.flight
         try:
-            pr, split = await self._prefill(run, force_instance)
+            pr, split, promised = await self._prefill(run, force_instance)
             n = len(req.prompt_token_ids)
-            out = run.output = OutputProcessor(self.tokenizer, stop, n, pr.num_cached_tokens, split)
+            out = run.output = OutputProcessor(self.tokenizer, stop, n, pr.num_cached_tokens, split, promised)
             done = pr.finish_reason is not None or not pr.has_handoff  # the request ended at prefill
             if pr.token_ids or pr.finish_reason is not None:
                 ev = self._event(run, out, pr.token_ids, done, pr.finish_reason or "length")
@@ -139,9 +139,13 @@ class Orchestrator:
         finally:
             self._end(run)
 
-    async def _prefill(self, run: _Run, force_instance: str | None) -> tuple[PrefillResult, dict[str, int] | None]:
+    async def _prefill(
+        self, run: _Run, force_instance: str | None
+    ) -> tuple[PrefillResult, dict[str, int] | None, int | None]:
         """Route and prefill ``run.req``; counts the decision and the prompt. Returns the
-        result and, for a looked-up request, why its prompt tokens were (not) restored."""
+        result and, for a looked-up request, why its prompt tokens were (not) restored
+        and the hit the index promised on the instance it was routed to (counted kept
+        or broken against what the prefill restored)."""
         req = run.req
         route = await self.dispatch.route(req, force_instance)
         decision = route.decision
@@ -160,15 +164,27 @@ class Orchestrator:
         n = len(req.prompt_token_ids)
         self.metrics.prompt_tokens.inc(n)
         self.metrics.cached_tokens.inc(pr.num_cached_tokens)
-        split = None
+        split = promised = None
         if seen is not None:
             cfg = self.cfg
             split = prefix_token_split(
-                n, cfg.prefix_match_unit, cfg.eagle, pr.num_cached_tokens, route.known, await seen
+                n,
+                cfg.prefix_match_unit,
+                cfg.eagle,
+                pr.num_cached_tokens,
+                route.known,
+                await seen,
+                self.dispatch.prefill_backoff,
             )
             for outcome, count in split.items():
                 if count:
                     self.metrics.prefix_tokens.labels(outcome).inc(count)
+            promised = decision.expected_hit if pr.instance == decision.instance else 0  # a retry: no promise
+            broken = max(promised - pr.num_cached_tokens, 0)
+            self.metrics.index_promise_tokens.labels("kept").inc(promised - broken)
+            self.metrics.index_promise_tokens.labels("broken").inc(broken)
+            if broken:
+                self.dispatch.broken_promise(route, pr)
         logger.info(
             "request %s: %d prompt tokens, %d cached (%s on %s)",
             req.request_id,
@@ -177,7 +193,7 @@ class Orchestrator:
             decision.kind,
             decision.instance,
         )
-        return pr, split
+        return pr, split, promised
 
     def _decoded(self, run: _Run, out: OutputProcessor, chunk: TokenChunk) -> Event:
         now = time.perf_counter()

@@ -26,6 +26,9 @@ class Usage:
     #: why the prompt's tokens were (not) restored (``checkpoints.prefix_token_split``);
     #: None when the request was not looked up in the index
     prefix_tokens: Mapping[str, int] | None = None
+    #: the hit the index lookup promised on the instance the request was routed to
+    #: (None when it was not looked up); ``cached_tokens`` below it is a broken promise
+    promised_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +88,14 @@ class OutputProcessor:
         prompt_tokens: int,
         cached_tokens: int,
         prefix_tokens: Mapping[str, int] | None = None,
+        promised_tokens: int | None = None,
     ) -> None:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stop = StopWindow(stop)
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
         self.prefix_tokens = prefix_tokens
+        self.promised_tokens = promised_tokens
         #: output tokens received so far (all of a chunk count, even past a stop string)
         self.count = 0
         #: the request ended on a stop string: the client did not get every token
@@ -99,7 +104,7 @@ class OutputProcessor:
         self.sent = 0
 
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.cached_tokens, self.count, self.prefix_tokens)
+        return Usage(self.prompt_tokens, self.cached_tokens, self.count, self.prefix_tokens, self.promised_tokens)
 
     def push(self, token_ids: tuple[int, ...], done: bool, finish_reason: str | None) -> Event:
         """The Event for ``token_ids``: finished with reason "stop" (its text cut

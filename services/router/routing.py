@@ -132,11 +132,22 @@ class RecentPrefills:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def record(self, instance: str, hashes: Sequence[bytes], num_tokens: int, start: int) -> int:
+    def record(
+        self, instance: str, hashes: Sequence[bytes], num_tokens: int, start: int, position: int | None = None
+    ) -> int:
         """Remember what a prefill of ``num_tokens`` (``hashes`` its chain) that
-        computed from ``start`` left on ``instance``. Returns the position (0: none)."""
-        pos = checkpoint_position(num_tokens, self.unit, self.eagle)
-        if pos <= 0 or not is_checkpoint_valid(start, num_tokens, pos, self.unit, self.block, self.alignment):
+        computed from ``start`` left on ``instance``: the tail checkpoint at
+        ``position`` as its engine reported it (``Engine.tail_checkpoint``: a vLLM
+        P/D prefill computes N - 1 tokens, so its tail may lie a unit lower), or,
+        unreported, where the native rule puts it. Returns the position (0: none)."""
+        if position is None:
+            position = checkpoint_position(num_tokens, self.unit, self.eagle)
+            if position > 0 and not is_checkpoint_valid(
+                start, num_tokens, position, self.unit, self.block, self.alignment
+            ):
+                return 0
+        pos = position
+        if pos <= 0 or pos % self.unit:
             return 0
         k = pos // self.unit + (1 if self.eagle else 0) - 1  # the last block the hit needs
         if k >= len(hashes):

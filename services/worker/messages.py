@@ -30,6 +30,9 @@ class PrefillResult:
     loaded_from_store: int
     #: opaque: only the decode engine of the same kind reads it
     ticket: HandoffTicket | None = None
+    #: where the engine left this prompt's tail state checkpoint (``Engine.tail_checkpoint``;
+    #: 0: none; None: not reported, the router predicts it by the native rule)
+    tail_checkpoint: int | None = None
 
     @property
     def has_handoff(self) -> bool:

@@ -46,6 +46,9 @@ def _complete(client: OpenAI, tokens: list[int], instance: str = "prefill-0"):  
 def _split(resp) -> dict[str, int]:  # type: ignore[no-untyped-def]
     split = resp.usage.model_extra["hybridpd_prefix_tokens"]
     assert sum(split.values()) == resp.usage.prompt_tokens
+    # what the index promised on the routed (here: pinned) instance, restored in full
+    promised = resp.usage.model_extra["hybridpd_promised_tokens"]
+    assert 0 <= promised <= resp.usage.prompt_tokens_details.cached_tokens, (promised, resp.usage)
     return dict(split)
 
 

@@ -156,6 +156,18 @@ def test_recent_prefill_agrees_with_the_index_rule() -> None:
             assert rp.hits(H.chain(STREAM[:n]), n).get("prefill-0", 0) == want, (eagle, n)
 
 
+def test_recent_prefill_remembers_where_the_engine_said_it_checkpointed() -> None:
+    """A vLLM P/D prefill of 2001 tokens computes 2000: its tail lies at 1984, not
+    at checkpoint_position(2001) = 2000, and the engine reports it (tail_checkpoint)."""
+    rp = RecentPrefills(U, B, A, eagle=False)
+    first = H.chain(STREAM[:2001])
+    assert rp.record("prefill-0", first, 2001, 0, position=1984) == 1984
+    assert rp.hits(H.chain(STREAM[:2200]), 2200) == {"prefill-0": 1984}  # never the 2000 it did not write
+    assert rp.record("prefill-1", first, 2001, 0, position=0) == 0  # the engine left none
+    assert rp.record("prefill-1", first, 2001, 0, position=1990) == 0  # not on a unit boundary: refused
+    assert "prefill-1" not in rp.hits(H.chain(STREAM[:2200]), 2200)
+
+
 def test_recent_prefill_without_a_valid_checkpoint_is_not_remembered() -> None:
     rp = RecentPrefills(U, B, A, eagle=False)
     # started from a hit at 1984, computing 16 tokens: no unit before the checkpoint

@@ -39,6 +39,7 @@ from typing import Literal
 
 import torch
 
+from hybridpd.checkpoints import planned_checkpoint
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -348,6 +349,15 @@ class NativeEngine:
             self.hasher.chain(tokens, cache_salt=cache_salt),
         )
         return self.scheduler.hit_length(probe)
+
+    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
+        """The scheduler's tail: ``checkpoints.planned_checkpoint`` of the prompt's query
+        ``[num_cached, N)`` (0 where the protocol forbids it or caching is off)."""
+        if not self.cfg.enable_prefix_caching:
+            return 0
+        n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
+        pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle)
+        return pos or 0
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""

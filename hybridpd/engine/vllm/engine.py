@@ -43,11 +43,10 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd.checkpoint_value import LINEAR_ONLY
+from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
-    CacheEventKind,
-    CacheGroup,
     EngineRequest,
     FinishReason,
     HandoffStats,
@@ -60,7 +59,7 @@ from hybridpd.engine.base import (
     StateCheckpoint,
 )
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
-from hybridpd.engine.vllm.kv_events import KVEventFeed, kv_events_endpoint
+from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
 from hybridpd.errors import InvalidRequestError
 from hybridpd.hashing import BlockHasher
@@ -159,8 +158,11 @@ class VllmEngine:
         #: vLLM's KV events, translated (None: not asked for)
         self.feed: KVEventFeed | None = None
         if events_endpoint is not None:
-            self.feed = KVEventFeed(self.hasher)
+            self.feed = KVEventFeed(self.hasher, self._groups())
             self.feed.start(events_endpoint)
+        #: prompt tokens a P/D prefill does not compute (vLLM's NixlConnector truncates them:
+        #: decode recomputes them on top of the pulled KV and state); its tail is where N - this is
+        self.prefill_backoff = self._prefill_backoff() if role == "prefill" else 0
 
     def _check_shared_prefix_option(self, asked: bool) -> None:
         """Read back what vLLM made of ``enable_mamba_shared_prefix_checkpoint``: it
@@ -182,6 +184,34 @@ class VllmEngine:
                 getattr(sched, "block_size", "?"),
                 getattr(sched, "mamba_partial_cache_hit", "?"),
             )
+
+    def _groups(self) -> dict[int, GroupSpec]:
+        """The engine's KV-cache groups, as its KV events name them (kind, block size)."""
+        core = self._core()
+        mgr = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
+        meta = getattr(mgr, "kv_cache_event_metadata", None)
+        config = getattr(mgr, "kv_cache_config", None)
+        if meta is None or config is None:
+            logger.warning("vLLM's KV-cache groups not readable: their kinds are learned from its events")
+            return {}
+        return {
+            i: GroupSpec(str(kind), int(group.kv_cache_spec.block_size))
+            for i, ((kind, _), group) in enumerate(zip(meta, config.kv_cache_groups, strict=True))
+        }
+
+    def _prefill_backoff(self) -> int:
+        """vLLM 0.32's ``NixlConnectorScheduler._prefill_backoff``: one token for a
+        model with Mamba groups, more for multi-module MTP's lookahead."""
+        kinds = {g.kind for g in self._groups().values()}
+        core = self._core()
+        lookahead = int(getattr(getattr(core, "vllm_config", None), "num_prefill_lookahead_tokens", 1) or 1)
+        return max(1 if "mamba" in kinds else 0, lookahead - 1)
+
+    def computed_prompt_tokens(self, request: EngineRequest, prefill_only: bool) -> int:
+        """The prompt tokens this engine computes for ``request``: all of them, or
+        on a P/D prefill all but the ``prefill_backoff`` tokens decode recomputes."""
+        n = len(request.prompt_token_ids)
+        return n - self.prefill_backoff if prefill_only and n > self.prefill_backoff else n
 
     # -- requests ----------------------------------------------------------------------
     def _sampling(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> Any:
@@ -216,6 +246,8 @@ class VllmEngine:
             raise InvalidRequestError("prefill_only needs an engine in the prefill role, not %s" % self.role)
         transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
+        if self.feed is not None and self.cfg.enable_prefix_caching:  # before vLLM can publish any of it
+            self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
         self._submit(request, max_tokens, transfer)
         self.live[request.request_id] = _Live(request, prefill_only)
 
@@ -288,8 +320,6 @@ class VllmEngine:
             outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
             if out.finished:
                 del self.live[out.request_id]
-                if live.handoff is None:  # its prompt was computed here
-                    self._prompt_units_stored(live.request)
         return outputs
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
@@ -305,19 +335,6 @@ class VllmEngine:
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
         """Checkpoints go to the store through vLLM's connector, not through us."""
         return []
-
-    def _prompt_units_stored(self, req: EngineRequest) -> None:
-        """A request whose prompt was computed here finished: its prompt's full units
-        are cached (a STORED event).
-
-        vLLM's KV events name its attention blocks and state checkpoints but not
-        the prefix_match_unit pieces between its last full attention block and a
-        partial checkpoint, so the prompt's full units are recorded from here;
-        the state checkpoints come from vLLM's events (``kv_events``)."""
-        if self.feed is not None and self.cfg.enable_prefix_caching:
-            units = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
-            if units:
-                self.feed.add(CacheEvent(CacheEventKind.STORED, CacheGroup.KV, tuple(units)))
 
     def pop_cache_events(self) -> list[CacheEvent]:
         return self.feed.pop() if self.feed is not None else []
@@ -340,6 +357,16 @@ class VllmEngine:
 
     def inject_fault(self, kind: str) -> None:
         raise ValueError("unknown fault %r (the vLLM engine injects none)" % kind)
+
+    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
+        """vLLM caches the state (and a partial attention entry) at the last unit
+        boundary its prompt allows: ``(N' - 1) // u * u`` of the N' tokens it computes
+        (``computed_prompt_tokens``: N - 1 on a P/D prefill), whatever the hit (vLLM
+        0.32 ``FullAttentionManager._cache_partial_tail_block`` and the Mamba
+        manager's tail)."""
+        if not self.cfg.enable_prefix_caching:
+            return 0
+        return checkpoint_position(self.computed_prompt_tokens(request, prefill_only), self.unit, False)
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)

@@ -3,24 +3,41 @@
 vLLM publishes ``KVEventBatch`` messages (msgpack over ZMQ PUB) when blocks
 are stored, removed or all cleared. With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``
 the hashes are the full block-hash bytes, which equal our chain
-(``tests/vllm/test_hash_equality.py``). For a hybrid model each event names
-its KV-cache group kind:
+(``tests/vllm/test_hash_equality.py``). The index may claim for an instance
+only what vLLM can deliver, so the mapping follows vLLM's cache entries, not
+its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
 
-* ``full_attention``: attention KV of the blocks' tokens. vLLM's blocks can be
-  larger than ``prefix_match_unit`` (640 tokens for the tiny Qwen3-Next), but
-  the index keeps a hash per unit, so the unit hashes inside each block are
-  recomputed from the event's parent hash and token ids; the hash at each
-  block end must equal the event's (checked: a mismatch is skipped and
-  counted, never published);
-* ``mamba``: a recurrent-state checkpoint at each block end (the state keyed by
-  the chain hash at that position); the several Mamba groups of one model
-  report the same hashes and are published once.
+* **Two media.** The engine's block pool tags its events ``medium="GPU"`` (on
+  every device) and names each group's kind (``kv_cache_spec_kind``);
+  MooncakeStoreConnector tags its store puts ``medium="cpu"`` with a group
+  index and no kind. A store event never changes what a local group is: group
+  kinds come from the engine's KV-cache config (``GroupSpec``) or from the
+  first local event that names one, and store events become store entries
+  (``CacheEvent.store``), never local ones.
+* **An entry ends at a hash.** An attention entry is a full block (its hash
+  at the block end) or a *partial* entry at a unit boundary inside a block
+  (the prompt tail vLLM registers: its event carries only the last unit's
+  tokens). Either way the entry makes the KV of its block from the block
+  start to its end usable, so it covers those units; the units' hashes come
+  from the event's tokens, or, for a partial entry, from the prompt the engine
+  registered (``PromptRegistry``: the engine registers every prompt's chain
+  when it adds the request, before vLLM can publish anything of it).
+* **A unit is claimed** while at least one live entry of every attention group
+  covers it (reference counts); **a state at H is claimed** while every group
+  of the model (each Mamba group and each attention group) has a live entry at
+  H: vLLM's hybrid lookup needs all groups to hit at exactly that length.
+  Removing any one of them withdraws the claim (a REMOVED event), so the index
+  never claims a state whose attention entry or any Mamba group's block was
+  evicted.
+* Changes are settled per batch of vLLM events (a batch carries all groups'
+  events of one step), and only the net transitions are published.
 
-Removed blocks become REMOVED events (of the unit hashes they covered);
-``AllBlocksCleared`` becomes CLEARED. ``KVEventFeed.apply`` is the pure
-mapping; ``KVEventFeed.start`` runs it on a ZMQ subscriber thread. The engine
-drains the result with ``pop_cache_events``, like the native engine's, and
-the prefill worker's publisher writes the index: one stream for both engines.
+Store entries have no removal events (Mooncake evicts silently): the index
+bounds them with its TTL, and the store tier here forgets the oldest entries
+past ``MAX_STORE_ENTRIES`` without publishing anything. ``AllBlocksCleared``
+and a gap in vLLM's sequence numbers (ZMQ drops silently) become CLEARED.
+``KVEventFeed.apply`` is the pure mapping; ``KVEventFeed.start`` runs it on a
+ZMQ subscriber thread. The engine drains the result with ``pop_cache_events``.
 """
 
 from __future__ import annotations
@@ -29,14 +46,24 @@ import logging
 import tempfile
 import threading
 import uuid
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.hashing import BlockHash, BlockHasher
 
 logger = logging.getLogger(__name__)
+
+ATTENTION = "full_attention"
+MAMBA = "mamba"
+#: the medium MooncakeStoreConnector's store puts carry (the block pool's is "GPU" on every device)
+STORE_MEDIUM = "cpu"
+#: prompt-chain hashes the registry keeps (about 20 prompts of 164K tokens at unit 16)
+MAX_REGISTERED_HASHES = 1 << 18
+#: store entries remembered to combine the groups of one state (no removals ever arrive)
+MAX_STORE_ENTRIES = 1 << 18
 
 
 def kv_events_endpoint() -> str:
@@ -55,108 +82,318 @@ def _salt(block_keys: Any) -> str | None:
     return None
 
 
-class KVEventFeed:
-    """Turns one engine's KV events into cache events (``pop`` drains them; thread-safe)."""
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """One KV-cache group of the engine: its kind (``full_attention``, ``mamba``, ...)
+    and block size in tokens."""
 
-    def __init__(self, hasher: BlockHasher) -> None:
+    kind: str
+    block_size: int
+
+
+class PromptRegistry:
+    """Recent prompts' chains, so a hash names its position and the units before it.
+    Bounded (oldest prompts forgotten first); thread-safe."""
+
+    def __init__(self, max_hashes: int = MAX_REGISTERED_HASHES) -> None:
+        self.max_hashes = max_hashes
+        self._chains: OrderedDict[int, tuple[BlockHash, ...]] = OrderedDict()
+        self._where: dict[bytes, tuple[int, int]] = {}
+        self._count = 0
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def register(self, chain: Sequence[BlockHash]) -> None:
+        if not chain:
+            return
+        with self._lock:
+            cid = self._next
+            self._next += 1
+            self._chains[cid] = tuple(chain)
+            for i, h in enumerate(chain):
+                self._where[bytes(h)] = (cid, i)
+            self._count += len(chain)
+            while self._count > self.max_hashes and len(self._chains) > 1:
+                old_id, old = self._chains.popitem(last=False)
+                self._count -= len(old)
+                for h in old:
+                    if self._where.get(bytes(h), (None,))[0] == old_id:
+                        del self._where[bytes(h)]
+
+    def units_before(self, h: bytes, block_size: int, unit: int) -> tuple[int, tuple[BlockHash, ...]] | None:
+        """(position of ``h``, the unit hashes from its block's start to it), or None."""
+        with self._lock:
+            where = self._where.get(bytes(h))
+            if where is None:
+                return None
+            chain = self._chains[where[0]]
+        end = where[1] + 1
+        pos = end * unit
+        start = (pos - 1) // block_size * block_size // unit
+        return pos, chain[start:end]
+
+
+@dataclass
+class _Tier:
+    """The entries of one medium (the engine's cache, or the store) and what of
+    them is claimed; ``settle`` turns the changes since the last call into events."""
+
+    store: bool
+    entries: dict[int, set[bytes]] = field(default_factory=dict)
+    covers: dict[tuple[int, bytes], tuple[BlockHash, ...]] = field(default_factory=dict)
+    unit_refs: dict[int, Counter[bytes]] = field(default_factory=dict)
+    claimed_units: set[bytes] = field(default_factory=set)
+    claimed_states: set[bytes] = field(default_factory=set)
+    touched_units: set[bytes] = field(default_factory=set)
+    touched_states: set[bytes] = field(default_factory=set)
+    order: OrderedDict[tuple[int, bytes], None] = field(default_factory=OrderedDict)
+
+    def add(self, group: int, h: bytes, units: Sequence[BlockHash] | None) -> None:
+        entries = self.entries.setdefault(group, set())
+        if h in entries:
+            return
+        entries.add(h)
+        self.touched_states.add(h)
+        if units is not None:
+            self.covers[(group, h)] = tuple(units)
+            refs = self.unit_refs.setdefault(group, Counter())
+            for u in units:
+                refs[bytes(u)] += 1
+                self.touched_units.add(bytes(u))
+        if self.store:
+            self.order[(group, h)] = None
+            while len(self.order) > MAX_STORE_ENTRIES:
+                self.forget(*self.order.popitem(last=False)[0])
+
+    def remove(self, group: int, h: bytes) -> None:
+        entries = self.entries.get(group)
+        if entries is None or h not in entries:
+            return
+        entries.discard(h)
+        self.touched_states.add(h)
+        units = self.covers.pop((group, h), ())
+        refs = self.unit_refs.get(group)
+        for u in units:
+            if refs is not None:
+                refs[bytes(u)] -= 1
+                if refs[bytes(u)] <= 0:
+                    del refs[bytes(u)]
+            self.touched_units.add(bytes(u))
+
+    def forget(self, group: int, h: bytes) -> None:
+        """Drop a store entry from memory only: its index keys live out their TTL."""
+        self.entries.get(group, set()).discard(h)
+        units = self.covers.pop((group, h), ())
+        refs = self.unit_refs.get(group)
+        for u in units:
+            if refs is not None and refs[bytes(u)] > 0:
+                refs[bytes(u)] -= 1
+                if refs[bytes(u)] <= 0:
+                    del refs[bytes(u)]
+        self.claimed_states.discard(h)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.covers.clear()
+        self.unit_refs.clear()
+        self.claimed_units.clear()
+        self.claimed_states.clear()
+        self.touched_units.clear()
+        self.touched_states.clear()
+        self.order.clear()
+
+    def settle(self, kinds: Mapping[int, str]) -> list[CacheEvent]:
+        """The net transitions since the last settle, as events (removals first)."""
+        attention = [g for g, k in kinds.items() if k == ATTENTION]
+        mamba = [g for g, k in kinds.items() if k == MAMBA]
+        gone_units: list[BlockHash] = []
+        new_units: list[BlockHash] = []
+        gone_states: list[BlockHash] = []
+        new_states: list[BlockHash] = []
+        no_refs: Counter[bytes] = Counter()
+        for u in self.touched_units:
+            now = bool(attention) and all(self.unit_refs.get(g, no_refs)[u] > 0 for g in attention)
+            if now and u not in self.claimed_units:
+                self.claimed_units.add(u)
+                new_units.append(BlockHash(u))
+            elif not now and u in self.claimed_units:
+                self.claimed_units.discard(u)
+                gone_units.append(BlockHash(u))
+        for h in self.touched_states:
+            now = bool(mamba) and all(h in self.entries.get(g, ()) for g in kinds)
+            if now and h not in self.claimed_states:
+                self.claimed_states.add(h)
+                new_states.append(BlockHash(h))
+            elif not now and h in self.claimed_states:
+                self.claimed_states.discard(h)
+                gone_states.append(BlockHash(h))
+        self.touched_units.clear()
+        self.touched_states.clear()
+        out = []
+        for kind, group, hashes in (
+            (CacheEventKind.REMOVED, CacheGroup.STATE, gone_states),
+            (CacheEventKind.REMOVED, CacheGroup.KV, gone_units),
+            (CacheEventKind.STORED, CacheGroup.KV, new_units),
+            (CacheEventKind.STORED, CacheGroup.STATE, new_states),
+        ):
+            if hashes and not (self.store and kind is CacheEventKind.REMOVED):
+                out.append(CacheEvent(kind, group, tuple(sorted(hashes)), store=self.store))
+        return out
+
+
+class KVEventFeed:
+    """Turns one engine's KV events into cache events (``pop`` drains them; thread-safe).
+
+    ``groups``: the engine's KV-cache groups (index -> ``GroupSpec``), from its
+    config; without them kinds and block sizes are learned from local events."""
+
+    def __init__(self, hasher: BlockHasher, groups: Mapping[int, GroupSpec] | None = None) -> None:
         self.events: deque[CacheEvent] = deque()
         self.hasher = hasher
+        self.kinds: dict[int, str] = {g: s.kind for g, s in (groups or {}).items()}
+        self.block_sizes: dict[int, int] = {g: s.block_size for g, s in (groups or {}).items()}
+        self.prompts = PromptRegistry()
+        self.local = _Tier(store=False)
+        self.store = _Tier(store=True)
         self.last_seq: int | None = None
         self.gaps = 0
-        self.group_kind: dict[int, str] = {}
-        #: attention block end hash -> the unit hashes it covers (to remove them later)
-        self.units_of: dict[bytes, list[BlockHash]] = {}
         self.published_kv = 0
         self.published_states = 0
+        self.store_entries = 0
         self.removed = 0
         self.mismatches = 0
+        self.uncovered = 0
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def register_prompt(self, chain: Sequence[BlockHash]) -> None:
+        """A prompt the engine is about to compute (its chain at ``hasher``'s unit)."""
+        self.prompts.register(chain)
+
     # -- the mapping -----------------------------------------------------------------
-    def _stored(self, ev: Any) -> None:
+    def _learn(self, ev: Any) -> int:
+        group = int(ev.group_idx or 0)
         kind = str(getattr(ev, "kv_cache_spec_kind", "") or "")
-        self.group_kind[int(ev.group_idx or 0)] = kind
-        hashes = [bytes(h) for h in ev.block_hashes]
-        if kind == "mamba":
-            new = [BlockHash(h) for h in hashes]
-            self.events.append(CacheEvent(CacheEventKind.STORED, CacheGroup.STATE, tuple(new)))
-            self.published_states += len(new)
-            return
-        if kind != "full_attention":
-            return
-        bs, u = int(ev.block_size), self.hasher.unit
-        if bs % u:
-            self.mismatches += 1
-            logger.warning("vLLM block size %d is not a multiple of prefix_match_unit %d: not indexed", bs, u)
-            return
+        if kind and group not in self.kinds:
+            self.kinds[group] = kind
+        elif kind and self.kinds[group] != kind:
+            logger.warning("KV event names group %d %r, known as %r: kept %r", group, kind, self.kinds[group], kind)
+        if kind:  # a partial entry's event is shorter than the group's block: the largest seen is it
+            self.block_sizes[group] = max(self.block_sizes.get(group, 0), int(ev.block_size or 0))
+        return group
+
+    def _event_units(self, ev: Any, hashes: list[bytes]) -> list[tuple[BlockHash, ...] | None]:
+        """Per hash of the event, the units its tokens prove (None where they do not)."""
+        bs, u = int(ev.block_size or 0), self.hasher.unit
+        tokens = list(ev.token_ids or ())
+        if not tokens or bs % u or len(tokens) != bs * len(hashes):
+            return [None] * len(hashes)
         parent = bytes(ev.parent_block_hash) if ev.parent_block_hash is not None else None
         extra = list(ev.extra_keys or [])
         salt = _salt(extra[0]) if parent is None and extra else None
         units = self.hasher.chain(
-            list(ev.token_ids),
+            tokens,
             cache_salt=salt,
             parent=BlockHash(parent) if parent else None,
             first_block_index=0 if parent is None else 1,
         )
         per = bs // u
-        publish: list[BlockHash] = []
+        out: list[tuple[BlockHash, ...] | None] = []
         for i, end in enumerate(hashes):
-            chunk = units[i * per : (i + 1) * per]
-            if len(chunk) != per or chunk[-1] != end:
+            chunk = tuple(units[i * per : (i + 1) * per])
+            if len(chunk) == per and chunk[-1] == end:
+                out.append(chunk)
+                continue
+            self.mismatches += 1
+            logger.warning("KV event block %d does not match our hash chain: not indexed", i)
+            out.append(None)
+        return out
+
+    def _covers(self, group: int, h: bytes, proven: tuple[BlockHash, ...] | None) -> tuple[BlockHash, ...] | None:
+        """The units an attention entry ending at ``h`` makes usable: from its block's
+        start to ``h``. The registered prompt knows them all; the event's tokens may
+        prove only the tail (a partial entry), and must agree with the prompt."""
+        size = self.block_sizes.get(group)
+        found = self.prompts.units_before(h, size, self.hasher.unit) if size else None
+        if found is not None:
+            units = found[1]
+            if proven is not None and tuple(units[-len(proven) :]) != proven:
                 self.mismatches += 1
-                logger.warning("KV event block %d does not match our hash chain: skipped", i)
-                break
-            self.units_of[end] = chunk
-            publish.extend(chunk)
-        if publish:
-            self.events.append(CacheEvent(CacheEventKind.STORED, CacheGroup.KV, tuple(publish)))
-            self.published_kv += len(publish)
+                return None
+            return units
+        if proven is None:
+            self.uncovered += 1
+        return proven
+
+    def _stored(self, ev: Any) -> None:
+        is_store = getattr(ev, "medium", None) == STORE_MEDIUM
+        group = int(ev.group_idx or 0) if is_store else self._learn(ev)
+        kind = self.kinds.get(group, "")
+        hashes = [bytes(h) for h in ev.block_hashes]
+        tier = self.store if is_store else self.local
+        if kind == ATTENTION:
+            for h, proven in zip(hashes, self._event_units(ev, hashes), strict=True):
+                units = self._covers(group, h, proven)
+                if units is not None:
+                    tier.add(group, h, units)
+        elif kind:
+            for h in hashes:
+                tier.add(group, h, None)
+        if is_store:
+            self.store_entries += len(hashes)
 
     def _removed(self, ev: Any) -> None:
-        kind = self.group_kind.get(int(ev.group_idx or 0), "")
-        hashes = [bytes(h) for h in ev.block_hashes]
-        if kind == "mamba":
-            self.events.append(CacheEvent(CacheEventKind.REMOVED, CacheGroup.STATE, tuple(map(BlockHash, hashes))))
-        else:
-            units = [u for h in hashes for u in self.units_of.pop(h, [])]
-            if units:
-                self.events.append(CacheEvent(CacheEventKind.REMOVED, CacheGroup.KV, tuple(units)))
-        self.removed += len(hashes)
+        if getattr(ev, "medium", None) == STORE_MEDIUM:
+            return  # the store does not report evictions; its entries live out their TTL
+        group = int(ev.group_idx or 0)
+        for h in ev.block_hashes:
+            self.local.remove(group, bytes(h))
+        self.removed += len(ev.block_hashes)
+
+    def _clear(self) -> None:
+        self.events.append(CacheEvent(CacheEventKind.CLEARED, None))
+        self.local.clear()
 
     def apply(self, events: Iterable[Any]) -> None:
-        """Translate a batch's events in order."""
-        for ev in events:
-            name = type(ev).__name__
-            if name == "BlockStored":
-                self._stored(ev)
-            elif name == "BlockRemoved":
-                self._removed(ev)
-            elif name == "AllBlocksCleared":
-                self.events.append(CacheEvent(CacheEventKind.CLEARED, None))
-                self.units_of.clear()
+        """Translate one batch of vLLM's events; publish the net changes it made."""
+        with self._lock:
+            for ev in events:
+                name = type(ev).__name__
+                if name == "BlockStored":
+                    self._stored(ev)
+                elif name == "BlockRemoved":
+                    self._removed(ev)
+                elif name == "AllBlocksCleared":
+                    self._clear()
+            for tier in (self.local, self.store):
+                for out in tier.settle(self.kinds):
+                    self.events.append(out)
+                    if out.kind is CacheEventKind.STORED and not out.store:
+                        if out.group is CacheGroup.KV:
+                            self.published_kv += len(out.hashes)
+                        else:
+                            self.published_states += len(out.hashes)
 
     def check_sequence(self, seq: int) -> None:
         """ZMQ PUB/SUB drops messages silently (a slow subscriber, a full queue): a gap
         in vLLM's sequence numbers means removals may be lost, so everything this
         engine published is withdrawn (CLEARED) and rebuilt from later events: the
         index may under-claim for a while, never claim what is gone."""
-        if self.last_seq is not None and seq != self.last_seq + 1:
-            logger.warning("KV events %d..%d lost: the index forgets this engine's entries", self.last_seq + 1, seq - 1)
-            self.gaps += 1
-            self.events.append(CacheEvent(CacheEventKind.CLEARED, None))
-            self.units_of.clear()
-        self.last_seq = seq
-
-    def add(self, event: CacheEvent) -> None:
-        """An event the engine itself knows of (see ``VllmEngine.pop_handoff``)."""
-        self.events.append(event)
+        with self._lock:
+            if self.last_seq is not None and seq != self.last_seq + 1:
+                logger.warning(
+                    "KV events %d..%d lost: the index forgets this engine's entries", self.last_seq + 1, seq - 1
+                )
+                self.gaps += 1
+                self._clear()
+            self.last_seq = seq
 
     def pop(self) -> list[CacheEvent]:
         """Every event translated so far, in order (the subscriber keeps appending)."""
-        out = []
-        while self.events:
-            out.append(self.events.popleft())
+        with self._lock:
+            out = list(self.events)
+            self.events.clear()
         return out
 
     # -- the subscriber ----------------------------------------------------------------
