@@ -46,7 +46,9 @@ def _is_num(x: Any) -> bool:
 def _combine(values: list[Any], how: Callable[[list[float]], float]) -> Any:
     first = values[0]
     if all(_is_num(v) for v in values):
-        return how([float(v) for v in values])
+        got = how([float(v) for v in values])
+        # counts and indices stay ints where the median / min / max is one (a round number, a count)
+        return int(got) if all(isinstance(v, int) for v in values) and got.is_integer() else got
     if all(isinstance(v, bool) for v in values):
         return all(values)
     if all(isinstance(v, dict) for v in values):

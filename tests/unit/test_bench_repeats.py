@@ -30,6 +30,8 @@ def test_aggregate_leaves() -> None:
     assert out["ok"] is False  # a flag holds only if it held in every repeat
     assert out["phases"] == {"a": {"hit": 1.0}} and out["rounds"] == [2.0, 5.0]
     assert "name" not in out and "requests" not in out  # differing values and per-request rows stay per repeat
+    ints = aggregate([{"round": 2, "n": 3}, {"round": 2, "n": 4}])
+    assert ints["round"] == 2 and isinstance(ints["round"], int) and ints["n"] == 3.5  # an int stays one
     rows = aggregate([{"r": [{"t": 1.0}, {"t": 4.0}]}, {"r": [{"t": 3.0}, {"t": 2.0}]}])
     assert rows["r"] == [{"t": 2.0}, {"t": 3.0}] and rows["max"]["r"] == [{"t": 3.0}, {"t": 4.0}]
     with pytest.raises(ValueError):
