@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -101,7 +102,14 @@ def test_summarize_without_router_counters() -> None:
 
 
 def _prov(started: float, commit: str = "c0", dirty: bool = False) -> dict:
-    return {"commit": commit, "dirty": dirty, "started": started, "ended": started + 30.0}
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "started": started,
+        "ended": started + 30.0,
+        "load_average_before": [0.5, 0.5, 0.5],
+        "load_average_after": [0.6, 0.5, 0.5],
+    }
 
 
 def _variant(records: list[dict], started: float = 0.0, commit: str = "c0", **extra: Any) -> dict:
@@ -194,3 +202,17 @@ def test_cli_rejects_bad_workload(bad: str) -> None:
     assert res.exit_code == 2 and "FIELD=INT" in res.output
     res = CliRunner().invoke(cli, ["bench", "multi-turn", "--help"])
     assert res.exit_code == 0 and "answers-cached" in res.output
+
+
+def test_write_renders_aggregated_repeats(tmp_path: Any) -> None:
+    """JSON, plot and table from two repeats as bench.repeats aggregates them (a
+    median of ints must still index the rounds)."""
+    from bench import multi_turn_run
+    from bench.repeats import _combined
+
+    w = QUICK
+    reps = [{**summarize(RECORDS), "provenance": _prov(float(i))} for i in range(2)]
+    out = {"workload": dataclasses.asdict(w), "quick": True, "variants": {"answers-cached": _combined(reps)}}
+    path = tmp_path / "mt.json"
+    multi_turn_run._write(path, out)
+    assert path.with_suffix(".png").exists() and "| answers-cached | 2 |" in path.with_suffix(".md").read_text()
