@@ -165,6 +165,16 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
         stack.stop()
 
 
+#: ``--repeats`` of the benchmarks with variants (bench/repeats.py: interleaved, medians published)
+REPEATS_OPTION = click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
+)
+
+
 @cli.group()
 def bench() -> None:
     """Benchmarks (JSON + PNG; growing-streams also a markdown table)."""
@@ -219,13 +229,7 @@ def _echo_report(json_path: str, out: dict[str, Any]) -> None:
     help="Override the workload: streams, start, step, end, max_tokens, unit, mamba_block_size, seed"
     " (e.g. --workload start=120000 --workload end=164000 --workload step=2000 --workload unit=128).",
 )
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
-)
+@REPEATS_OPTION
 def bench_growing_streams(
     json_path: str | None,
     quick: bool,
@@ -272,13 +276,7 @@ def bench_growing_streams(
     help="Override the workload (bench/shared_prefix.py Workload: conversations, system_tokens, ...,"
     " unit, mamba_block_size, seed), e.g. --workload mamba_block_size=16.",
 )
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
-)
+@REPEATS_OPTION
 def bench_shared_prefix(
     json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...], repeats: int
 ) -> None:
@@ -319,13 +317,7 @@ def bench_shared_prefix(
     help="Override the workload (bench/multi_turn.py Workload: users, rounds, system_tokens, message_tokens_min,"
     " message_tokens_max, answer_tokens, think_ms, unit, mamba_block_size, seed), e.g. --workload answer_tokens=256.",
 )
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
-)
+@REPEATS_OPTION
 def bench_multi_turn(
     json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...], repeats: int
 ) -> None:
