@@ -174,13 +174,7 @@ class VllmServer:
             time.sleep(1.0)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        interrupt(self.proc, 60)
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -189,3 +183,15 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def interrupt(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
+    """Stop ``proc`` as Ctrl-C would (SIGINT), killing it after ``timeout_s``."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

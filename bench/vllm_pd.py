@@ -82,7 +82,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -97,7 +96,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from bench.vllm_direct import VllmServer, log_tail, tiny_model
+from bench.vllm_direct import VllmServer, interrupt, log_tail, tiny_model
 from hybridpd.errors import UnavailableError
 from hybridpd.procs import free_port, listen_ports
 
@@ -408,13 +407,7 @@ class VllmPd:
         return self
 
     def stop(self) -> None:
-        if self.proxy is not None and self.proxy.poll() is None:
-            self.proxy.send_signal(signal.SIGINT)
-            try:
-                self.proxy.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proxy.kill()
-                self.proxy.wait()
+        interrupt(self.proxy, 30)
         self.decode.stop()
         self.prefill.stop()
 
