@@ -19,7 +19,8 @@ BASE = {
 }
 
 
-def _engine(role: str, overrides: dict[str, Any], side_port: int | None = None):  # type: ignore[no-untyped-def]
+def _engine(role: str, overrides: dict[str, Any], side_port: int | None = None, **kw: Any):  # type: ignore[no-untyped-def]
+    """A VllmEngine in ``role`` with the tests' settings; ``kw`` go to VllmEngine."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if side_port is not None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_port)
@@ -27,7 +28,7 @@ def _engine(role: str, overrides: dict[str, Any], side_port: int | None = None):
     from hybridpd.engine.vllm.engine import VllmEngine
     from hybridpd.engine.vllm.tiny import resolve
 
-    return VllmEngine(load_config(env={}, overrides={**BASE, **overrides}), resolve(), role)  # type: ignore[arg-type]
+    return VllmEngine(load_config(env={}, overrides={**BASE, **overrides}), resolve(), role, **kw)  # type: ignore[arg-type]
 
 
 def req(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None) -> EngineRequest:
@@ -255,3 +256,241 @@ def assert_match_reference(prompts: list[tuple[str, list[int]]], max_tokens: int
     for rid, _ in prompts:
         ref, deficits = refs[rid]
         assert_greedy_matches(got[rid], ref, BF16_TOL, deficits, what=rid)
+
+
+def forward_store_events() -> None:
+    """Test-only: let the MooncakeStoreConnector's KV events out of a MultiConnector.
+
+    vLLM 0.32's MultiConnector has no ``get_kv_connector_kv_cache_events`` (a TODO in
+    multi_connector.py), so on a P/D prefill engine (MultiConnector: Nixl + Mooncake
+    store) the store connector's ``BlockStored(medium="cpu")`` events never leave the
+    worker and the index gets no store entries from vLLM at all. This returns the
+    first sub-connector's events (only the store connector has any), so the truth
+    test can check the store tier of ``KVEventFeed`` against the store."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    def get_kv_connector_kv_cache_events(self: Any) -> Any:
+        for c in self._connectors:
+            events = c.get_kv_connector_kv_cache_events()
+            if events is not None:
+                return events
+        return None
+
+    MultiConnector.get_kv_connector_kv_cache_events = get_kv_connector_kv_cache_events  # type: ignore[method-assign]
+
+
+class TruthProbe:
+    """What a vLLM engine in this process, and its MooncakeStoreConnector, can deliver
+    for a prompt now, read without side effects (``test_index_truth``):
+
+    * ``local_hit``: vLLM's own prefix hit for a request of the given tokens,
+      ``KVCacheManager.get_computed_blocks`` on a fresh ``vllm.v1.request.Request``
+      hashed by the engine core's ``request_block_hasher`` (the lookup the scheduler
+      runs at admission; it reads the block pool's hash table only: no reference
+      counts, no free-queue order, no events; capped at the request's tokens - 1);
+    * ``attention_hit``: the full-attention group's own hit within ``length`` tokens
+      (``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, read-only too);
+    * ``store_hit``: the store connector's own lookup (``LookupKeyClient._lookup`` on
+      the client's executor, as the scheduler's ``get_num_new_matched_tokens`` calls
+      it, minus its per-request future bookkeeping): ``batch_is_exist`` on the
+      Mooncake keys of every group and the connector's hybrid hit rule over them;
+    * ``attention_cached``: whether the full-attention group holds an entry (a full
+      block, or a partial one) keyed by a hash (``BlockPool.get_cached_block``).
+
+    ``answer`` asserts the probes left the block pool as they found it."""
+
+    def __init__(self, eng: Any) -> None:
+        core = eng._core()
+        self.sched = core.scheduler
+        self.mgr = self.sched.kv_cache_manager
+        self.pool = self.mgr.block_pool
+        self.block_hasher = core.request_block_hasher
+        self.fa_group = self.mgr.coordinator.full_attention_group_id
+        conns = getattr(self.sched.connector, "_connectors", [self.sched.connector])
+        store = [c for c in conns if type(c).__name__ == "MooncakeStoreConnector"]
+        self.lookup_client = store[0].connector_scheduler.client if store else None
+        self._n = 0
+
+    def _request(self, tokens: list[int], salt: str | None) -> Any:
+        from vllm.sampling_params import SamplingParams as VllmSampling
+        from vllm.v1.request import Request
+
+        self._n += 1
+        return Request(
+            "truth-%d" % self._n,
+            list(tokens),
+            VllmSampling(max_tokens=1),
+            None,
+            cache_salt=salt,
+            block_hasher=self.block_hasher,
+        )
+
+    def local_hit(self, tokens: list[int], salt: str | None) -> int:
+        return int(self.mgr.get_computed_blocks(self._request(tokens, salt))[1])
+
+    def attention_hit(self, tokens: list[int], salt: str | None, length: int) -> int:
+        req = self._request(tokens, salt)
+        _, hits = self.mgr.coordinator.find_longest_cache_hit_per_group(req.block_hashes, length)
+        return int(hits[self.fa_group])
+
+    def store_hit(self, tokens: list[int], salt: str | None) -> int:
+        if self.lookup_client is None:
+            return 0
+        req = self._request(tokens, salt)
+        client = self.lookup_client
+        return int(client.executor.submit(client._lookup, req.num_tokens, list(req.block_hashes)).result().hit_length)
+
+    def attention_cached(self, h: bytes) -> bool:
+        return self.pool.get_cached_block(h, [self.fa_group]) is not None
+
+    def snapshot(self) -> tuple[int, int, int]:
+        return (self.pool.get_num_free_blocks(), len(self.pool.kv_event_queue), len(self.sched.requests))
+
+    def answer(
+        self,
+        queries: list[tuple[str, list[int], str | None, int]],
+        hashes: list[bytes] = (),  # type: ignore[assignment]
+    ) -> tuple[list[int], list[bool]]:
+        """``(op, tokens, salt, n)`` each: op "local" / "store" over ``tokens[:n]``,
+        "attention" over ``tokens`` within ``n`` tokens; and per hash of ``hashes``
+        whether the full-attention group holds an entry keyed by it."""
+        before = self.snapshot()
+        out = []
+        for op, toks, salt, n in queries:
+            if op == "local":
+                out.append(self.local_hit(toks[:n], salt))
+            elif op == "store":
+                out.append(self.store_hit(toks[:n], salt))
+            else:
+                out.append(self.attention_hit(toks, salt, n))
+        cached = [self.attention_cached(h) for h in hashes]
+        assert self.snapshot() == before, (before, self.snapshot())  # the probes changed nothing
+        return out, cached
+
+
+def truth_prefill_worker(  # type: ignore[no-untyped-def]
+    q_in,
+    q_out,
+    side_port: int,
+    redis_url: str,
+    store: tuple[str, str],
+    kv_cache_bytes: int,
+    instance: str,
+    overrides,
+    forward_store: bool = True,
+) -> None:
+    """A P/D prefill engine (cache events on, ``kv_cache_bytes`` of KV and state,
+    MooncakeStoreConnector on ``store``; ``forward_store``: its store events reach
+    the feed, :func:`forward_store_events`) whose translated cache events go to the
+    index as ``instance`` (``PrefixIndex.apply_local``, as ``CachePublisher`` does).
+    Messages: ``("prefill", rid, tokens, salt)`` -> ``(request, ticket, cached,
+    before)`` where ``before`` is what the engine and the store could deliver for
+    the P/D prompt (its first N - 1 tokens) just before it ran; ``("settle",)``
+    steps until the engine is idle (decode pulled, store saves done, every block
+    free), waits until every event batch vLLM published went through the feed,
+    publishes the translated events and answers the feed's counters;
+    ``("probe", queries, hashes)`` -> ``TruthProbe.answer``."""
+    import queue
+    import time
+
+    from hybridpd.index.prefix_index import PrefixIndex
+
+    if forward_store:
+        forward_store_events()
+    eng = _engine("prefill", overrides, side_port, cache_events=True, kv_cache_memory_bytes=kv_cache_bytes, store=store)
+    feed = eng.feed
+    assert feed is not None
+    probe = TruthProbe(eng)
+    index = PrefixIndex(redis_url, eng.model_id)
+    index.clear_local(instance)
+    # count vLLM's event batches and the feed's applied ones: "every batch arrived" is then observable
+    published = [0]
+    applied = [0]
+    store_events = [0]
+    publisher = probe.sched.kv_event_publisher
+    publish, apply = publisher.publish, feed.apply
+
+    def counted_publish(batch: Any) -> None:
+        published[0] += 1
+        publish(batch)
+
+    def counted_apply(events: Any) -> None:
+        events = list(events)
+        store_events[0] += sum(1 for e in events if getattr(e, "medium", None) == "cpu")
+        apply(events)
+        applied[0] += 1
+
+    # mismatches (events that do not match our chain: skipped) by medium; a store put names no
+    # cache salt (no extra keys), so a salted prompt's first block cannot match: counted apart
+    mismatches = {"local": 0, "store": 0, "store_first_block_unsalted": 0}
+    stored = feed._stored
+
+    def counted_stored(ev: Any) -> None:
+        before = feed.mismatches
+        stored(ev)
+        if feed.mismatches > before:
+            if getattr(ev, "medium", None) != "cpu":
+                mismatches["local"] += feed.mismatches - before
+            elif ev.parent_block_hash is None and not ev.extra_keys:
+                mismatches["store_first_block_unsalted"] += feed.mismatches - before
+            else:
+                mismatches["store"] += feed.mismatches - before
+
+    publisher.publish = counted_publish
+    feed.apply = counted_apply  # type: ignore[method-assign]
+    feed._stored = counted_stored  # type: ignore[method-assign]
+    # NOTE: a fixed wait, not a poll: ZMQ PUB/SUB drops what is published before the
+    # subscription reaches the publisher, and nothing tells the subscriber that it has
+    time.sleep(0.5)
+    groups = {g: (s.kind, s.block_size) for g, s in eng._groups().items()}
+    q_out.put(("ready", eng.model_id, probe.pool.num_gpu_blocks, groups, getattr(eng, "prefill_backoff", 1)))
+    while True:
+        try:  # between requests, keep stepping while the connector holds KV for decode (as the actors do)
+            msg = q_in.get(timeout=0.01) if eng.has_work() else q_in.get()
+        except queue.Empty:
+            eng.step()
+            continue
+        if msg == "exit":
+            break
+        if msg[0] == "prefill":
+            _, rid, toks, salt = msg
+            before, _ = probe.answer([("local", toks, salt, len(toks) - 1), ("store", toks, salt, len(toks) - 1)])
+            request = req(rid, toks, 4, salt)
+            eng.add_request(request, prefill_only=True)
+            outs: list[Any] = []
+            while not any(o.finished for o in outs) and eng.has_work():
+                outs.extend(o for o in eng.step() if o.request_id == rid)
+            cached = max((o.num_cached_tokens for o in outs), default=0)
+            q_out.put((request, eng.pop_handoff(rid), cached, before))
+        elif msg[0] == "settle":
+            deadline = time.monotonic() + 300
+            while eng.has_work():
+                eng.step()
+                assert time.monotonic() < deadline, "the prefill engine did not go idle"
+            free = probe.pool.get_num_free_blocks()
+            assert free == probe.pool.num_gpu_blocks - 1, ("blocks still held", free)  # vLLM keeps one null block
+            while applied[0] < published[0]:
+                assert time.monotonic() < deadline, ("event batches not applied", applied[0], published[0])
+                time.sleep(0.01)
+            events = eng.pop_cache_events()
+            index.apply_local(instance, events)
+            q_out.put(
+                {
+                    "published": published[0],
+                    "applied": applied[0],
+                    "store_events": store_events[0],
+                    "gaps": feed.gaps,
+                    "mismatches": feed.mismatches,
+                    "mismatches_by": dict(mismatches),
+                    "uncovered": getattr(feed, "uncovered", 0),
+                    "removed": feed.removed,
+                    "store_entries": getattr(feed, "store_entries", 0),
+                    "published_kv": feed.published_kv,
+                    "published_states": feed.published_states,
+                    "events": len(events),
+                }
+            )
+        elif msg[0] == "probe":
+            q_out.put(probe.answer(msg[1], msg[2]))
+    eng.close()
+    q_out.put("bye")

@@ -67,6 +67,12 @@ from hybridpd.procs import listen_ports
 
 logger = logging.getLogger(__name__)
 
+#: vLLM's KV and state space per engine unless the caller names one
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+#: the environment variable that overrides it for engines built by the workers (not a config
+#: field: tests and benchmarks shrink the space so that prompts evict each other)
+KV_CACHE_BYTES_ENV = "HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES"
+
 
 @dataclass(frozen=True, slots=True)
 class VllmTicket(HandoffTicket):
@@ -101,19 +107,27 @@ class VllmEngine:
         *,
         instance: str = "local",
         cache_events: bool = False,
-        kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_bytes: int | None = None,
         store: tuple[str, str] | None = None,
     ) -> None:
         """``cache_events``: vLLM publishes its KV-cache events (ZMQ, a machine-local
         socket) and ``pop_cache_events`` returns them translated; ``store``: (Mooncake
         master, metadata URL) for a prefill engine's shared prefix store
         (MooncakeStoreConnector beside the NixlConnector). ``instance`` names the
-        worker in logs."""
+        worker in logs. ``kv_cache_memory_bytes``: vLLM's KV and state space (None:
+        ``$HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES``, else 1 GiB)."""
         check_dtype(cfg, model_dir)
         events_endpoint = kv_events_endpoint() if cache_events else None
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = int(os.environ.get(KV_CACHE_BYTES_ENV) or DEFAULT_KV_CACHE_BYTES)
         if cfg.device == "cpu":
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_memory_bytes >> 30)))
+            if kv_cache_memory_bytes % (1 << 30):
+                # vLLM's CPU platform replaces kv_cache_memory_bytes by VLLM_CPU_KVCACHE_SPACE (whole
+                # GiB) whenever that is set: a space below or between GiB needs it unset
+                os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            else:
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_memory_bytes >> 30))
         if events_endpoint is not None:
             os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"  # full hashes: they equal our chain
         if store is not None and role == "prefill":

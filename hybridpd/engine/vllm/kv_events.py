@@ -13,7 +13,15 @@ its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
   index and no kind. A store event never changes what a local group is: group
   kinds come from the engine's KV-cache config (``GroupSpec``) or from the
   first local event that names one, and store events become store entries
-  (``CacheEvent.store``), never local ones.
+  (``CacheEvent.store``), never local ones. On our P/D prefill engine none
+  arrive: its connector is a MultiConnector (Nixl + Mooncake store), which in
+  vLLM 0.32 does not pass its sub-connectors' events on
+  (``get_kv_connector_kv_cache_events`` is a TODO there). Where they do arrive
+  (measured with them forwarded) they name attention blocks only: a prompt's Mamba states reach the store as
+  boundary puts, which publish no event, so the store tier claims KV and no
+  state, i.e. no store hit; and a put of a prompt's first block names no cache
+  salt, so a salted prompt's does not match our chain and is skipped
+  (``tests/vllm/test_index_truth.py``).
 * **An entry ends at a hash.** An attention entry is a full block (its hash
   at the block end) or a *partial* entry at a unit boundary inside a block
   (the prompt tail vLLM registers: its event carries only the last unit's
@@ -28,7 +36,11 @@ its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
   H: vLLM's hybrid lookup needs all groups to hit at exactly that length.
   Removing any one of them withdraws the claim (a REMOVED event), so the index
   never claims a state whose attention entry or any Mamba group's block was
-  evicted.
+  evicted. A claimed unit is held, not always reachable: vLLM's lookup enters
+  a block through an entry on the prompt's own chain, so a prompt that leaves
+  a cached block inside it has units claimed that vLLM does not hit for it;
+  every hit the index promises rests on a state, i.e. on an entry of every
+  group at exactly that position, which vLLM does hit.
 * Changes are settled per batch of vLLM events (a batch carries all groups'
   events of one step), and only the net transitions are published.
 
