@@ -278,7 +278,7 @@ class Harness:
                 over.append((what, i, len(self.sent[i][0]), "claimed", claimed, "vLLM", actual))
             elif claimed < actual and what.startswith("lookup"):
                 self.under[what] += 1
-        assert not over, ("the index claims more than vLLM / the store can deliver after %s" % step, over)
+        assert not over, "the index claims more than vLLM / the store can deliver after %s: %s" % (step, over)
 
 
 @pytest.fixture()

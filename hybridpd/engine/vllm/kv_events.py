@@ -20,7 +20,8 @@ its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
   (measured with them forwarded) they name attention blocks only: a prompt's Mamba states reach the store as
   boundary puts, which publish no event, so the store tier claims KV and no
   state, i.e. no store hit; and a put of a prompt's first block names no cache
-  salt, so a salted prompt's does not match our chain and is skipped
+  salt, so for a salted prompt its tokens do not prove its hash (a mismatch,
+  counted) and only the registered prompt names its units
   (``tests/vllm/test_index_truth.py``).
 * **An entry ends at a hash.** An attention entry is a full block (its hash
   at the block end) or a *partial* entry at a unit boundary inside a block
