@@ -153,6 +153,25 @@ def test_store_puts_are_store_entries_and_never_change_a_local_group() -> None:
     assert feed.pop() == []
 
 
+def test_a_salted_first_block_put_is_proven_by_the_registered_prompt_only() -> None:
+    """vLLM 0.32's store puts carry no extra keys (measured: tests/vllm/test_index_truth.py
+    with the store connector's events forwarded), so a salted prompt's first block is not
+    proven by its tokens (a mismatch, counted). The registered prompt names its units, so
+    the store KV is claimed all the same; unregistered, nothing is."""
+    hasher = BlockHasher(unit=U)
+    tokens = list(range(11, 11 + B + 5))
+    chain = hasher.chain(tokens, cache_salt="tenant")
+    put = BlockStored([chain[3]], None, tokens[:B], B, 1, None, medium="cpu")  # the attention group's, no kind
+    feed = KVEventFeed(hasher, HYBRID)
+    feed.register_prompt(chain)
+    feed.apply([put])
+    assert feed.mismatches == 1
+    assert feed.pop() == [_stored(CacheGroup.KV, chain[:4], store=True)]  # no state: no Mamba put came
+    feed = KVEventFeed(hasher, HYBRID)
+    feed.apply([put])
+    assert feed.pop() == [] and feed.mismatches == 1 and feed.uncovered == 1
+
+
 def test_a_block_that_does_not_match_our_chain_is_not_stored() -> None:
     hasher = BlockHasher(unit=U)
     feed = KVEventFeed(hasher)
