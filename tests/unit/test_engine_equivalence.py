@@ -61,8 +61,9 @@ def _check(reference, rid: str, tokens: list[int], logits: list[torch.Tensor] | 
 
 @pytest.mark.parametrize(
     ("budget", "block"),
-    [(16, 64), (48, 64), (128, 64), (1000, 64), (48, None), (1000, None)],
-    ids=["16-B64", "48-B64", "128-B64", "1000-B64", "48-Bu", "1000-Bu"],
+    # B = u at one budget: chunks of 48 cross its checkpoints (EAGLE on/off runs them at 4096)
+    [(16, 64), (48, 64), (128, 64), (1000, 64), (48, None)],
+    ids=["16-B64", "48-B64", "128-B64", "1000-B64", "48-Bu"],
 )
 def test_chunked_batched_equals_reference(reference, budget: int, block: int | None) -> None:  # type: ignore[no-untyped-def]
     eng = make_engine(max_num_batched_tokens=budget, record_logits=True, mamba_block_size=block)
