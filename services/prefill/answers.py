@@ -13,7 +13,8 @@ the publisher puts them in the index and the store like any prefill's.
 Why a prefill and not decode's own state: decode-written KV and state differ
 from the chunked prefill's in their last bits (other kernels, other
 reduction order), and a hit must restore exactly what a one-shot prefill of
-the same tokens computes (fp32 native: bit for bit). Recomputing the answer
+the same tokens computes (fp32 native: the same arithmetic; the e2e test
+compares the next turn's greedy tokens with a no-cache run). Recomputing the answer
 is a prefill of answer-length tokens at a time the instance has nothing
 better to do.
 

@@ -14,7 +14,8 @@ same arithmetic) occur whatever the token budget or cache hit. The state is
 available at every chunk boundary: that is where checkpoints are exported.
 A partial last chunk is zero-padded with ``b = 0, g = 0``, which leaves the
 state exactly unchanged. Decode runs the recurrent form, token by token
-(EAGLE verification included), so decode and verification agree bit for bit.
+(EAGLE verification included), so decode and verification run the same
+arithmetic (the EAGLE tests compare their greedy tokens with plain decoding).
 
 Within a chunk of C tokens starting from state ``S0``, with ``G_t`` the
 cumulative log-decay and ``D_ti = exp(G_t - G_i)`` (per channel, i <= t)::
