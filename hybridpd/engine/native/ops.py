@@ -7,11 +7,12 @@ M < 16 takes other kernels and differs by ~1e-5. :func:`rows_mm` therefore
 pads to 16 rows, so a token's numbers never depend on how many other tokens
 share its batch, chunk or step (batch invariance, checked by tests). In bf16
 the same machine does NOT have the property (oneDNN's AMX kernels differ
-with M by ~1e-5), so bf16 paths are compared with a tolerance. :func:`row_invariance_problem` checks the property on the machine at
-hand: the exactness tests (equal greedy tokens, logits within 1e-4 or
-``torch.equal``, as each says) run only where it holds (else they skip, saying
-why, and ``.ci/run`` fails if they skip where it holds), so no verdict depends on
-the CPU model.
+with M by ~1e-5), so bf16 paths are compared with a tolerance.
+:func:`row_invariance_problem` checks the property on the machine at hand:
+the exactness tests (equal greedy tokens, logits within 1e-4 or
+``torch.equal``, as each says) run only where it holds (else they skip,
+saying why, and ``.ci/run`` fails if they skip where it holds), so no
+verdict depends on the CPU model.
 """
 
 from __future__ import annotations
