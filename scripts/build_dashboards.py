@@ -156,6 +156,14 @@ STATE_PLANE = dashboard(
             "percentunit",
         ),
         panel(
+            "Index promises: tokens kept vs broken (broken: the index claimed what the engine could not deliver)",
+            [
+                q("sum by (outcome) (rate(hybridpd_index_promise_tokens_total[$__rate_interval]))", "{{outcome}}"),
+                q("sum(rate(hybridpd_index_store_repairs_total[$__rate_interval]))", "store entries repaired /s"),
+            ],
+            "short",
+        ),
+        panel(
             "State checkpoints in the store (per instance, bounded by store_state_budget_mb)",
             [q("sum by (instance) (ray_hybridpd_store_state_bytes)", "{{instance}}")],
             "bytes",
