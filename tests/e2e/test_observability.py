@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import yaml
 from openai import OpenAI
 
 from hybridpd.procs import free_port
@@ -17,6 +18,8 @@ from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
 from tests.unit.test_observability import metric_names
 from tests.wait import Pending, wait_until
+
+RULES_FILE = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "rules.yaml"
 
 
 def _traffic(stack: Stack) -> None:
@@ -97,7 +100,7 @@ def test_prometheus_scrapes_the_stack(stack: Stack, tmp_path: Path) -> None:
         # Prometheus scrapes every second and starts in a moment
         wait_until(answered, 40, 2, "Prometheus to answer every dashboard query", retry_on=(httpx.HTTPError,))
         rules = httpx.get("http://127.0.0.1:%d/api/v1/rules" % port, timeout=5).json()["data"]["groups"]
-        assert rules and len(rules[0]["rules"]) == 6
+        assert rules and len(rules[0]["rules"]) == len(yaml.safe_load(RULES_FILE.read_text())["groups"][0]["rules"])
     finally:
         proc.terminate()
         proc.wait(10)

@@ -24,6 +24,7 @@ import pytest
 from bench.growing_streams import Workload, _one, run_workload
 from hybridpd.checkpoints import checkpoint_position
 from tests.e2e.conftest import Stack
+from tests.wait import Pending, wait_until
 
 #: growing-streams' bound for ``partial`` (checks["partial_recompute_over_ideal_max"])
 PARTIAL_BOUND = 1.1
@@ -84,9 +85,12 @@ def test_many_streams_in_flight_keep_the_growing_streams_ratio(plain: Stack) -> 
     assert res["cached_tokens_per_request"] >= w.start - w.unit, res
 
 
-def _alternating(urls: list[str], w: Workload) -> list[dict]:
+def _alternating(stack: Stack, urls: list[str], w: Workload) -> list[dict]:
     """Growing streams whose every request goes to the other router than the
-    stream's previous one (round r, stream s: router (r + s) % len(urls))."""
+    stream's previous one (round r, stream s: router (r + s) % len(urls)). After
+    each round, the next starts once the shared index reports every stream's tail
+    checkpoint (a prefill publishes within a bounded wait; on a loaded machine the
+    events may land later, and this test is about sharing the index, not that wait)."""
     rng = random.Random(w.seed)
     streams = [[rng.randrange(5, 2048) for _ in range(w.end)] for _ in range(w.streams)]
     out = []
@@ -96,6 +100,15 @@ def _alternating(urls: list[str], w: Workload) -> list[dict]:
             got = [f.result() for f in futs]  # barrier
             if r > 0:
                 out.extend(got)
+            if r + 1 < len(w.lengths):
+                want = checkpoint_position(n, w.unit, False)
+                nxt = w.lengths[r + 1]
+
+                def published(want: int = want, nxt: int = nxt) -> bool | Pending:
+                    hits = [max(stack.lookup(st[:nxt]).instance_hits.values(), default=0) for st in streams]
+                    return all(h >= want for h in hits) or Pending(hits)
+
+                wait_until(published, 30, 0.05, "every stream's tail checkpoint (%d) in the index" % want)
     return out
 
 
@@ -105,8 +118,8 @@ def _hit_rate(reqs: list[dict]) -> float:
 
 def test_two_routers_sharing_the_index_hit_as_much_as_one(plain: Stack, second_router: Stack) -> None:
     base = Workload(streams=6, start=700, step=160, end=1180, max_tokens=2)
-    one = _alternating([plain.http], dataclasses.replace(base, seed=21))
-    two = _alternating([plain.http, second_router.http], dataclasses.replace(base, seed=22))
+    one = _alternating(plain, [plain.http], dataclasses.replace(base, seed=21))
+    two = _alternating(plain, [plain.http, second_router.http], dataclasses.replace(base, seed=22))
     assert len(one) == len(two) == base.streams * (len(base.lengths) - 1)
     rate_one, rate_two = _hit_rate(one), _hit_rate(two)
     # every request can hit the previous round's checkpoint (sent through the other router)
