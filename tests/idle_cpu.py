@@ -17,6 +17,12 @@ import psutil
 
 #: fraction of one core an idle actor may use
 IDLE_CPU_LIMIT = 0.02
+#: the same for an actor that holds a vLLM engine: vLLM keeps threads of its own awake
+#: when idle (gloo's TCP loop of its one-process group, ~0.3% of a core; its KV-event
+#: publisher, woken 10 times a second, ~0.1%), on top of Ray's worker (~0.8%). Measured
+#: 1.4-1.6% here and up to 2.2% on a slower CPU of our kind (CI, 2026-12-01), so the
+#: bound is 3%: still 20x below one busy-polling progress thread.
+VLLM_IDLE_CPU_LIMIT = 0.03
 
 
 def actor_pids(stats: dict) -> dict[str, int]:

@@ -77,6 +77,9 @@ STORE_MEDIUM = "cpu"
 MAX_REGISTERED_HASHES = 1 << 18
 #: store entries remembered to combine the groups of one state (no removals ever arrive)
 MAX_STORE_ENTRIES = 1 << 18
+#: how long the feed thread waits for a batch before it looks at its stop flag: an idle
+#: engine wakes it once a second (``close`` joins it within that)
+POLL_MS = 1000
 
 
 def kv_events_endpoint() -> str:
@@ -427,7 +430,7 @@ class KVEventFeed:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         try:
             while not self._stop.is_set():
-                if not sub.poll(100):
+                if not sub.poll(POLL_MS):
                     continue
                 parts: Sequence[bytes] = sub.recv_multipart()
                 if len(parts) == 3:  # (topic, sequence number, payload)
