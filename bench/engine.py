@@ -172,16 +172,19 @@ def markdown(out: dict[str, Any]) -> str:
         "| prefill, %d x %d-token prompts | %s |"
         % (pre["requests"], pre["prompt_tokens"], spread(out, "prefill_tokens_per_s", spec="%.0f")),
     ]
+    # "requests" is a per-repeat key (bench/repeats.py): the batch sizes are the first repeat's
+    first = (out.get("repeats") or [out])[0]["decode"]
+    batch = {name: int(first[name]["requests"]) for name in out["decode"]}
     for name, r in out["decode"].items():
-        plural = "s" if r["requests"] > 1 else ""
+        plural = "s" if batch[name] > 1 else ""
         rows.append(
             "| decode, %d request%s | %s |"
-            % (r["requests"], plural, spread(out, "decode", name, "decode_tokens_per_s"))
+            % (batch[name], plural, spread(out, "decode", name, "decode_tokens_per_s"))
         )
         rows.append(
             "| decode + EAGLE, %d request%s | %s (x%s; mean acceptance length %.2f) |"
             % (
-                r["requests"],
+                batch[name],
                 plural,
                 spread(out, "decode", name, "eagle_tokens_per_s"),
                 spread(out, "decode", name, "eagle_speedup_vs_decode", spec="%.2f"),
@@ -191,7 +194,7 @@ def markdown(out: dict[str, Any]) -> str:
     by_k = out["eagle"]["mean_acceptance_length_by_k"]
     rows += [
         "",
-        "| k (%d requests) | %s |" % (max(r["requests"] for r in out["decode"].values()), " | ".join(by_k)),
+        "| k (%d requests) | %s |" % (max(batch.values()), " | ".join(by_k)),
         "|---|%s" % ("---|" * len(by_k)),
         "| mean acceptance length | %s |" % " | ".join("%.2f" % v for v in by_k.values()),
     ]

@@ -37,6 +37,7 @@ import httpx
 import psutil
 from tqdm import tqdm
 
+from bench import provenance
 from launch.stack_process import StackProcess
 
 
@@ -308,12 +309,14 @@ def run_soak(url: str, cfg: SoakConfig, router_pid: int | None = None, reference
 
 def run(json_path: Path, cfg: SoakConfig, url: str | None = None) -> dict[str, Any]:
     """Soak ``url``, or a stack started for it on the defaults; write JSON + PNG."""
-    if url is not None:  # another stack's model and settings are unknown here: no reference run
-        out = run_soak(url, cfg, reference=False)
-    else:
-        with tempfile.TemporaryDirectory(prefix="hybridpd-soak-") as tmp, StackProcess(Path(tmp)) as st:
-            assert st.proc is not None
-            out = run_soak(st.http, cfg, router_pid=st.proc.pid)
+    with provenance.record() as prov:  # one run: the soak is its own repeat
+        if url is not None:  # another stack's model and settings are unknown here: no reference run
+            out = run_soak(url, cfg, reference=False)
+        else:
+            with tempfile.TemporaryDirectory(prefix="hybridpd-soak-") as tmp, StackProcess(Path(tmp)) as st:
+                assert st.proc is not None
+                out = run_soak(st.http, cfg, router_pid=st.proc.pid)
+    out["provenance"] = prov.to_dict()
     out["checks"] = checks(out)
     _write(json_path, out)
     return out
