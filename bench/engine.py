@@ -178,8 +178,7 @@ def markdown(out: dict[str, Any]) -> str:
     for name, r in out["decode"].items():
         plural = "s" if batch[name] > 1 else ""
         rows.append(
-            "| decode, %d request%s | %s |"
-            % (batch[name], plural, spread(out, "decode", name, "decode_tokens_per_s"))
+            "| decode, %d request%s | %s |" % (batch[name], plural, spread(out, "decode", name, "decode_tokens_per_s"))
         )
         rows.append(
             "| decode + EAGLE, %d request%s | %s (x%s; mean acceptance length %.2f) |"

@@ -31,6 +31,19 @@ def _engine(role: str, overrides: dict[str, Any], side_port: int | None = None, 
     return VllmEngine(load_config(env={}, overrides={**BASE, **overrides}), resolve(), role, **kw)  # type: ignore[arg-type]
 
 
+def next_message(eng, q_in) -> Any:  # type: ignore[no-untyped-def]
+    """The next message on ``q_in``; while none has come, ``eng`` keeps stepping as
+    long as it has work (a connector holds KV for decode until its read is
+    acknowledged, and only a step processes that: as the actors do)."""
+    import queue
+
+    while True:
+        try:
+            return q_in.get(timeout=0.01) if eng.has_work() else q_in.get()
+        except queue.Empty:
+            eng.step()
+
+
 def req(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None) -> EngineRequest:
     return EngineRequest(RequestId(rid), tuple(tokens), SamplingParams(max_tokens=max_tokens, ignore_eos=True), salt)
 
@@ -56,16 +69,11 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
     """Prefill requests ``(rid, tokens, max_tokens[, corrupt])``; with ``corrupt``
     one block of the handoff is negated before it is offered
     (:func:`corrupt_handoff_block`): the fault the comparison must catch."""
-    import queue
 
     eng = _engine("prefill", overrides, side_port)
     q_out.put("ready")
     while True:
-        try:  # between requests, keep stepping while the connector holds KV for decode (as the actors do)
-            msg = q_in.get(timeout=0.01) if eng.has_work() else q_in.get()
-        except queue.Empty:
-            eng.step()
-            continue
+        msg = next_message(eng, q_in)
         if msg == "exit":
             break
         rid, toks, max_tokens, *rest = msg
@@ -390,7 +398,6 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
     free), waits until every event batch vLLM published went through the feed,
     publishes the translated events and answers the feed's counters;
     ``("probe", queries, hashes)`` -> ``TruthProbe.answer``."""
-    import queue
     import time
 
     from hybridpd.index.prefix_index import PrefixIndex
@@ -445,11 +452,7 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
     groups = {g: (s.kind, s.block_size) for g, s in eng._groups().items()}
     q_out.put(("ready", eng.model_id, probe.pool.num_gpu_blocks, groups, getattr(eng, "prefill_backoff", 1)))
     while True:
-        try:  # between requests, keep stepping while the connector holds KV for decode (as the actors do)
-            msg = q_in.get(timeout=0.01) if eng.has_work() else q_in.get()
-        except queue.Empty:
-            eng.step()
-            continue
+        msg = next_message(eng, q_in)
         if msg == "exit":
             break
         if msg[0] == "prefill":
