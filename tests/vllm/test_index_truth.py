@@ -13,8 +13,9 @@ engine's translated cache events into the index as ``prefill-0`` with
 vLLM published has gone through the feed.
 
 A seeded sequence of requests (fresh prompts, shared prefixes of several
-lengths, repeats, growth, another tenant's salt; every N with N % 16 in
-{0, 1, 2, 15}: vLLM's P/D prefill computes N - 1 tokens) exercises local
+lengths, repeats, growth, another tenant's salt, and last a recall of the
+first prompt, long evicted locally; every N with N % 16 in {0, 1, 2, 15}:
+vLLM's P/D prefill computes N - 1 tokens) exercises local
 stores, evictions, store puts, store loads and handoffs. After each request,
 for every prompt sent so far (tests/vllm/workers.py: ``TruthProbe`` reads
 vLLM's side without side effects):
@@ -100,7 +101,10 @@ def _fit(toks: list[int]) -> list[int]:
 
 
 def scenario(seed: int, count: int) -> list[tuple[str, str, list[int], str | None]]:
-    """``count`` requests ``(rid, kind, tokens, salt)``, reproducible from ``seed``."""
+    """``count`` requests ``(rid, kind, tokens, salt)``, reproducible from ``seed``, and
+    then (``count`` > 2) a recall of the first prompt: the seeded mix alone may never
+    ask again for a prompt the engine evicted while the store keeps it, and a store
+    load is what the store claims are for."""
     rng = random.Random(seed)
     sent: list[tuple[list[int], str | None]] = []
     out = []
@@ -134,6 +138,8 @@ def scenario(seed: int, count: int) -> list[tuple[str, str, list[int], str | Non
         if (toks, salt) not in sent:
             sent.append((toks, salt))
         out.append(("r%d" % i, kind, toks, salt))
+    if count > 2:  # the first prompt once more: long evicted from the engine, still in the store
+        out.append(("r%d" % count, "recall", *sent[0]))
     return out
 
 
