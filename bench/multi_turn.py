@@ -260,8 +260,10 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
       ``prompt-only`` recomputes at least its ideal + the previous answer;
     * ``answers_cached_outputs_equal_nocache``: the same greedy answers as the
       no-cache run of the same prompts, from the same commit;
-    * ``same_run``: computed from the two variants' recorded provenance (times and
-      commit, bench/provenance.py), never assumed; ``done_when`` needs it.
+    * ``same_run``: computed from every variant's recorded provenance (times and
+      commit, bench/provenance.py), never assumed: the variants run interleaved,
+      so two of them form one sitting only with the repeats of the others between
+      them; ``done_when`` needs it.
     """
     from bench.provenance import same_run
     from bench.repeats import repeat_views
@@ -286,7 +288,7 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
     if ac is not None and nc is not None and _commits(ac) == _commits(nc) and len(_commits(ac)) == 1:
         out["answers_cached_outputs_equal_nocache"] = all(c.get("outputs_equal", False) for c in per)
     if ac is not None and po is not None:
-        out["same_run"] = same_run([*ac.get("provenance", []), *po.get("provenance", [])])
+        out["same_run"] = same_run([r for v in variants.values() for r in v.get("provenance", [])])
         out["done_when"] = bool(out["answers_cached_ok"] and out["prompt_only_recomputes_answer"] and out["same_run"])
     return out
 

@@ -141,6 +141,15 @@ def test_checks_done_when() -> None:
     partial = [rec(1, 1, 278, 0), rec(1, 2, 460, 288), rec(1, 3, 642, 448)]  # 172 < 182
     out = checks({**v, "prompt-only": _variant(partial, started=40.0)}, u)
     assert out["prompt_only_not_recomputing_answer"] == ["repeat 1: user1/round2"] and not out["done_when"]
+    # interleaved with other variants (A B C, A B C): one sitting, though A and B alone leave a gap
+    spaced = {
+        "answers-cached": _variant(cached),
+        "prompt-only": _variant(prompt_only, started=40.0),
+        "vllm-pd": _variant(cached, started=230.0),
+    }
+    spaced["vllm-pd"]["provenance"][0]["ended"] = 400.0
+    spaced["answers-cached"]["provenance"].append(_prov(410.0))  # 340 s after prompt-only ended
+    assert checks(spaced, u)["same_run"]
     # from different runs (a --variant rerun merged hours later), or another commit, or a dirty tree
     out = checks({**v, "prompt-only": _variant(prompt_only, started=7200.0)}, u)
     assert not out["same_run"] and not out["done_when"]
