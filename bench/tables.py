@@ -201,7 +201,8 @@ def _vllm_client(out: dict[str, Any]) -> str:
                     spread(v, name, "output_throughput"),
                 )
             )
-    return "\n".join(rows) + "\n"
+    text = "\n".join(rows) + "\n"
+    return text + checks_lines(out)
 
 
 def _gpu_check(out: dict[str, Any]) -> str:

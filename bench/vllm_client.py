@@ -8,6 +8,8 @@ as an outside user would, against:
 * ``stack-native``: ``hybridpd up`` as ``make up`` starts it (native engine,
   the bundled tiny model);
 * ``stack-vllm``: ``hybridpd up --engine vllm --model tiny`` (tiny Qwen3-Next);
+* ``stack-vllm-1p1d``: the same with one prefill and one decode actor, engine
+  for engine what ``vllm-pd`` runs (``checks`` compare the two);
 * ``vllm-direct``: plain ``vllm serve`` of the same tiny Qwen3-Next (prefix
   caching at the same unit): what the vLLM engine alone gives, model for
   model with ``stack-vllm``;
@@ -22,7 +24,8 @@ its own seed (so no run hits the previous run's prompts). The tokenizer is
 the tiny models' shared one. Each run's own result JSON is kept
 beside the summary (``<json stem>_runs/<target>/<repeat>/``).
 
-Targets are run ``--repeats`` times, interleaved, each repeat on a freshly
+``--target`` picks some of them (default: all). Targets are run
+``--repeats`` times, interleaved, each repeat on a freshly
 started target with its own provenance; the summary has every repeat and the
 medians (``bench.repeats``). vLLM's client counts ITL per SSE chunk.
 """
@@ -61,6 +64,10 @@ WORKLOADS: dict[str, tuple[list[str], int]] = {
         4,
     ),
 }
+#: item 5 of #25: our P/D against vLLM's own, engine for engine, on the random workloads
+#: (the medians over the repeats): TTFT p50 and ITL p50 at most these multiples
+PD_BUDGETS = {"median_ttft_ms": 1.15, "median_itl_ms": 1.1}
+OURS_PD, THEIRS_PD = "stack-vllm-1p1d", "vllm-pd"
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput", "completed")
 
 
@@ -104,7 +111,27 @@ def bench_serve(venv: Path, url: str, tokenizer: Path, name: str, prompts: int, 
     return {k: res.get(k) for k in KEYS}
 
 
-def run(json_path: Path, quick: bool, repeats: int = 3) -> dict[str, Any]:
+def pd_checks(variants: dict[str, Any], workloads: list[str]) -> dict[str, Any]:
+    """``stack-vllm-1p1d`` against ``vllm-pd`` on every random workload, judged on the
+    medians over the repeats (``PD_BUDGETS``); empty unless both ran."""
+    if OURS_PD not in variants or THEIRS_PD not in variants:
+        return {}
+    out: dict[str, Any] = {"budgets": dict(PD_BUDGETS)}
+    for name in (w for w in workloads if w.startswith("random")):
+        for key, budget in PD_BUDGETS.items():
+            ours, theirs = variants[OURS_PD][name].get(key), variants[THEIRS_PD][name].get(key)
+            label = "%s_%s_vs_vllm_pd" % (name, key.removeprefix("median_").replace("_ms", "_p50"))
+            if not ours or not theirs:
+                out[label] = None
+                out[label + "_ok"] = False
+                continue
+            out[label] = round(float(ours) / float(theirs), 3)
+            out[label + "_ok"] = out[label] <= budget
+    return out
+
+
+def run(json_path: Path, quick: bool, repeats: int = 3, only: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``only``: the targets to run (all when empty)."""
     from bench.repeats import measure_variants
 
     venv = vllm_venv()
@@ -122,9 +149,23 @@ def run(json_path: Path, quick: bool, repeats: int = 3) -> dict[str, Any]:
                 900,
                 venv / "bin" / "hybridpd",
             ),
+            "stack-vllm-1p1d": lambda: StackProcess(
+                Path(tmp) / "vllm-1p1d",
+                [
+                    *("--engine", "vllm", "--model", "tiny", "--num-prefill", "1", "--num-decode", "1"),
+                    *("--max-model-len", "4096", "--max-num-batched-tokens", "4096"),
+                ],
+                900,
+                venv / "bin" / "hybridpd",
+            ),
             "vllm-direct": lambda: VllmServer(venv, Path(tmp), 16, 4096),
             "vllm-pd": lambda: VllmPd(venv, Path(tmp), 16, 4096),
         }
+        unknown = set(only) - set(targets)
+        if unknown:
+            raise ValueError("unknown target(s) %s (known: %s)" % (sorted(unknown), ", ".join(targets)))
+        if only:
+            targets = {t: f for t, f in targets.items() if t in only}
         done: dict[str, int] = dict.fromkeys(targets, 0)
 
         def one(target: str) -> dict[str, Any]:
@@ -142,6 +183,7 @@ def run(json_path: Path, quick: bool, repeats: int = 3) -> dict[str, Any]:
         "workloads": list(WORKLOADS),
         "variants": variants,
         "notes": notes,
+        "checks": pd_checks(variants, list(WORKLOADS)),
     }
     write_json(json_path, out)
     return out

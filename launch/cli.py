@@ -440,17 +440,27 @@ def bench_overhead(
     show_default=True,
     help="Start and measure each target this many times, interleaved; the JSON keeps every repeat.",
 )
-def bench_vllm_client(json_path: str, quick: bool, repeats: int) -> None:
-    """`vllm bench serve` against the stack (native, vLLM engine), plain `vllm serve` and vLLM's own P/D."""
+@click.option(
+    "--target",
+    "targets",
+    multiple=True,
+    type=click.Choice(["stack-native", "stack-vllm", "stack-vllm-1p1d", "vllm-direct", "vllm-pd"]),
+    help="Run only these targets (repeatable; default: all).",
+)
+def bench_vllm_client(json_path: str, quick: bool, repeats: int, targets: tuple[str, ...]) -> None:
+    """`vllm bench serve` against the stack (native; vLLM engine, 2+1 and 1+1 actors), plain `vllm serve`
+    and vLLM's own P/D."""
     from pathlib import Path
 
     from bench import vllm_client
 
-    out = vllm_client.run(Path(json_path), quick, repeats)
+    out = vllm_client.run(Path(json_path), quick, repeats, targets)
     for target, r in out["variants"].items():
         for name in out["workloads"]:
             keys = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
             _latency_row(target, name, tuple(float(r[name][k] if r[name][k] is not None else "nan") for k in keys))
+    for k, v in out["checks"].items():
+        click.echo("%s: %s" % (k, v))
     click.echo("medians of %d repeats; wrote %s" % (repeats, json_path))
 
 

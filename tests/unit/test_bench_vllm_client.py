@@ -1,0 +1,32 @@
+"""bench/vllm_client.py's budgets: our 1+1 P/D against vLLM's own, judged on the medians."""
+
+from __future__ import annotations
+
+from bench import tables
+from bench.vllm_client import PD_BUDGETS, WORKLOADS, pd_checks
+
+
+def _target(ttft: float, itl: float) -> dict:
+    return {name: {"median_ttft_ms": ttft, "median_itl_ms": itl} for name in WORKLOADS}
+
+
+def test_pd_checks_judge_the_medians_against_the_budgets() -> None:
+    got = pd_checks({"stack-vllm-1p1d": _target(115.0, 11.5), "vllm-pd": _target(100.0, 10.0)}, list(WORKLOADS))
+    assert got["budgets"] == PD_BUDGETS
+    assert got["random_c1_ttft_p50_vs_vllm_pd"] == 1.15 and got["random_c1_ttft_p50_vs_vllm_pd_ok"]
+    assert got["random_c4_itl_p50_vs_vllm_pd"] == 1.15 and not got["random_c4_itl_p50_vs_vllm_pd_ok"]
+    assert not any(k.startswith("prefix_repetition") for k in got)  # no budget there
+    # a target that did not run, or a missing number, is no verdict
+    assert pd_checks({"vllm-pd": _target(1.0, 1.0)}, list(WORKLOADS)) == {}
+    none = pd_checks({"stack-vllm-1p1d": _target(0.0, 1.0), "vllm-pd": _target(1.0, 1.0)}, list(WORKLOADS))
+    assert none["random_c1_ttft_p50_vs_vllm_pd"] is None and none["random_c1_ttft_p50_vs_vllm_pd_ok"] is False
+
+
+def test_the_table_shows_the_checks() -> None:
+    out = {
+        "workloads": ["random_c1"],
+        "variants": {"vllm-pd": {"random_c1": {"median_ttft_ms": 1.0, "median_itl_ms": 2.0}}},
+        "checks": {"random_c1_ttft_p50_vs_vllm_pd_ok": False},
+    }
+    text = tables._vllm_client(out)
+    assert "| vllm-pd | random_c1 |" in text and "`random_c1_ttft_p50_vs_vllm_pd_ok`: **MISSED**" in text
