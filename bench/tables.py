@@ -201,8 +201,7 @@ def _vllm_client(out: dict[str, Any]) -> str:
                     spread(v, name, "output_throughput"),
                 )
             )
-    text = "\n".join(rows) + "\n"
-    return text + checks_lines(out)
+    return "\n".join(rows) + "\n"
 
 
 def _gpu_check(out: dict[str, Any]) -> str:
@@ -238,6 +237,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "multi-turn-quick": ("multi_turn_quick.json", _variants_table("bench.multi_turn_run")),
     "overhead": ("overhead.json", _module_markdown("bench.overhead")),
     "vllm-client": ("vllm_client.json", _vllm_client),
+    "vllm-client-pd-quick": ("vllm_client_pd_quick.json", _vllm_client),
     "router": ("router.json", _module_markdown("bench.router")),
     "hashing": ("hashing.json", _module_markdown("bench.hashing")),
     "engine": ("engine.json", _module_markdown("bench.engine")),

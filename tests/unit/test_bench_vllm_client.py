@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from bench import tables
 from bench.vllm_client import PD_BUDGETS, WORKLOADS, pd_checks
 
@@ -22,11 +25,13 @@ def test_pd_checks_judge_the_medians_against_the_budgets() -> None:
     assert none["random_c1_ttft_p50_vs_vllm_pd"] is None and none["random_c1_ttft_p50_vs_vllm_pd_ok"] is False
 
 
-def test_the_table_shows_the_checks() -> None:
+def test_the_block_shows_the_checks_once(tmp_path: Path) -> None:
     out = {
         "workloads": ["random_c1"],
         "variants": {"vllm-pd": {"random_c1": {"median_ttft_ms": 1.0, "median_itl_ms": 2.0}}},
         "checks": {"random_c1_ttft_p50_vs_vllm_pd_ok": False},
     }
-    text = tables._vllm_client(out)
-    assert "| vllm-pd | random_c1 |" in text and "`random_c1_ttft_p50_vs_vllm_pd_ok`: **MISSED**" in text
+    (tmp_path / "vllm_client_pd_quick.json").write_text(json.dumps(out))
+    text = tables.render_block("vllm-client-pd-quick", tmp_path)
+    assert "| vllm-pd | random_c1 |" in text
+    assert text.count("`random_c1_ttft_p50_vs_vllm_pd_ok`: **MISSED**") == 1
