@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -165,13 +165,28 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
         stack.stop()
 
 
-#: ``--repeats`` of the benchmarks with variants (bench/repeats.py: interleaved, medians published)
-REPEATS_OPTION = click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians.",
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def repeats_option(default: int, help: str) -> Callable[[F], F]:
+    """``--repeats`` (bench/repeats.py: every repeat kept, medians published)."""
+    return click.option("--repeats", type=click.IntRange(min=1), default=default, show_default=True, help=help)
+
+
+def json_option(name: str) -> Callable[[F], F]:
+    """``--json PATH``, by default ``bench/results/<name>.json``."""
+    return click.option(
+        "--json",
+        "json_path",
+        type=click.Path(dir_okay=False),
+        default="bench/results/%s.json" % name,
+        show_default=True,
+    )
+
+
+#: ``--repeats`` of the benchmarks with variants (interleaved)
+REPEATS_OPTION = repeats_option(
+    3, "Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians."
 )
 
 
@@ -335,16 +350,8 @@ def bench_multi_turn(
 
 
 @bench.command("router")
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/router.json", show_default=True
-)
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=5,
-    show_default=True,
-    help="Complete measurements; the JSON keeps every one, the tables and the budget use their median.",
-)
+@json_option("router")
+@repeats_option(5, "Complete measurements; the JSON keeps every one, the tables and the budget use their median.")
 @click.option(
     "--iterations", type=click.IntRange(min=1), default=300, show_default=True, help="Decisions per size and repeat."
 )
@@ -393,16 +400,10 @@ def _latency_row(a: str, b: str, values: tuple[float, ...]) -> None:
 
 
 @bench.command("overhead")
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/overhead.json", show_default=True
-)
+@json_option("overhead")
 @click.option("--quick", is_flag=True, help="Fewer requests per concurrency level.")
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Complete measurements (one stack); the JSON keeps every one, the tables and budgets use their median.",
+@repeats_option(
+    3, "Complete measurements (one stack); the JSON keeps every one, the tables and budgets use their median."
 )
 @click.option("--prompt-tokens", default=1024, show_default=True, type=click.IntRange(16, 8192))
 @click.option("--output-tokens", default=32, show_default=True, type=click.IntRange(2, 1024))
@@ -429,17 +430,9 @@ def bench_overhead(
 
 
 @bench.command("vllm-client")
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/vllm_client.json", show_default=True
-)
+@json_option("vllm_client")
 @click.option("--quick", is_flag=True, help="8 prompts per run instead of 32.")
-@click.option(
-    "--repeats",
-    type=click.IntRange(min=1),
-    default=3,
-    show_default=True,
-    help="Start and measure each target this many times, interleaved; the JSON keeps every repeat.",
-)
+@repeats_option(3, "Start and measure each target this many times, interleaved; the JSON keeps every repeat.")
 @click.option(
     "--target",
     "targets",
@@ -465,9 +458,7 @@ def bench_vllm_client(json_path: str, quick: bool, repeats: int, targets: tuple[
 
 
 @bench.command("eagle")
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/engine.json", show_default=True
-)
+@json_option("engine")
 @click.option("--quick", is_flag=True)
 def bench_eagle(json_path: str, quick: bool) -> None:
     """Decode tokens/s with and without EAGLE, and the mean acceptance length."""
@@ -477,9 +468,7 @@ def bench_eagle(json_path: str, quick: bool) -> None:
 
 
 @bench.command("soak")
-@click.option(
-    "--json", "json_path", type=click.Path(dir_okay=False), default="bench/results/soak.json", show_default=True
-)
+@json_option("soak")
 @click.option("--minutes", type=click.FloatRange(min=0.05), default=10.0, show_default=True, help="How long to run.")
 @click.option("--streams", type=click.IntRange(min=1), default=16, show_default=True, help="Concurrent client streams.")
 @click.option("--url", default=None, help="Soak a running stack instead of starting one.")
