@@ -204,6 +204,31 @@ def _vllm_client(out: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+#: the totals of tests/vllm/test_index_promises.py's full run, in order
+PROMISE_KEYS = (
+    "requests",
+    "requests_promised",
+    "promised_tokens",
+    "cached_tokens",
+    "prompt_tokens",
+    "over_promises",
+    "over_promised_tokens",
+    "under_promises",
+    "under_promised_tokens",
+    "metric_kept",
+    "metric_broken",
+    "kv_blocks_per_engine",
+    "pinned_share",
+    "seed",
+)
+
+
+def _promises(out: dict[str, Any]) -> str:
+    rows = ["| | |", "|---|---|"]
+    rows += ["| %s | %s |" % (k, _value(out[k])) for k in PROMISE_KEYS if k in out]
+    return "\n".join(rows) + "\n"
+
+
 def _gpu_check(out: dict[str, Any]) -> str:
     rows = ["| | |", "|---|---|"]
     for k, v in out.items():
@@ -243,6 +268,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "engine": ("engine.json", _module_markdown("bench.engine")),
     "state-plane": ("state_plane.json", _module_markdown("bench.state_plane")),
     "soak": ("soak.json", _soak),
+    "vllm-index-promises": ("vllm_index_promises.json", _promises),
     "gpu-check-float32": ("gpu_check_float32.json", _gpu_check),
     "gpu-check-bfloat16": ("gpu_check_bfloat16.json", _gpu_check),
 }

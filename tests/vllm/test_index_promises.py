@@ -19,7 +19,10 @@ prefill, test_index_truth.py).
 The test runs ``TEST_REQUESTS`` requests and asserts no broken promise; the full
 measurement:
 
-    .venv-vllm/bin/python -m tests.vllm.test_index_promises --requests 200 --json /tmp/hybridpd-promises.json
+    .venv-vllm/bin/python -m tests.vllm.test_index_promises --requests 200
+
+(writes ``bench/results/vllm_index_promises.json`` with its provenance; bench/README.md
+shows it through ``python -m bench.tables``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ from tests.e2e.conftest import Stack
 
 #: the tiny Qwen3-Next's vLLM page (tests/vllm/test_index_truth.py); per engine
 PAGE_BYTES = 196608
+#: where the full measurement (``main``) writes its counts
+RESULTS_JSON = Path(__file__).resolve().parents[2] / "bench" / "results" / "vllm_index_promises.json"
 KV_BLOCKS = 40
 MAX_MODEL_LEN = 2560
 ARGS = [
@@ -151,14 +156,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=11)
-    ap.add_argument("--json", type=Path, default=Path(tempfile.gettempdir()) / "hybridpd-promises.json")
+    ap.add_argument("--json", type=Path, default=RESULTS_JSON)
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory(prefix="hybridpd-promises-") as tmp:
+    from bench import provenance
+
+    with provenance.record(uses_vllm=True) as prov, tempfile.TemporaryDirectory(prefix="hybridpd-promises-") as tmp:
         stack = start_stack(Path(tmp))
         try:
             got = run(stack, args.requests, args.seed)
         finally:
             stack.stop()
+    got["provenance"] = prov.to_dict()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(got, indent=2))
     print(json.dumps({k: v for k, v in got.items() if k not in ("rows", "broken_rows")}, indent=2))
     print("written to", args.json)
