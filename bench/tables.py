@@ -225,7 +225,12 @@ PROMISE_KEYS = (
 
 def _promises(out: dict[str, Any]) -> str:
     rows = ["| | |", "|---|---|"]
-    rows += ["| %s | %s |" % (k, _value(out[k])) for k in PROMISE_KEYS if k in out]
+
+    def cell(v: Any) -> str:  # counts as counts (the metric deltas are floats)
+        whole = isinstance(v, int | float) and not isinstance(v, bool) and float(v).is_integer()
+        return f"{int(v):,}" if whole else _value(v)
+
+    rows += ["| %s | %s |" % (k, cell(out[k])) for k in PROMISE_KEYS if k in out]
     return "\n".join(rows) + "\n"
 
 

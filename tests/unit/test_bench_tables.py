@@ -83,11 +83,12 @@ def test_check_mode_reports_a_difference(tmp_path: Path) -> None:
 
 
 def test_the_promise_run_renders_its_totals_with_provenance(tmp_path: Path) -> None:
-    out = {"requests": 201, "over_promises": 0, "under_promises": 63, "rows": [], "provenance": _prov(False)}
+    out = {"requests": 201, "over_promises": 0, "under_promises": 63, "metric_kept": 97856.0, "rows": []}
+    out["provenance"] = _prov(False)
     (tmp_path / "vllm_index_promises.json").write_text(json.dumps(out))
     text = tables.render_block("vllm-index-promises", tmp_path)
-    assert "commit aaaaaaa" in text and "| over_promises | `0` |" in text and "| under_promises | `63` |" in text
-    assert "rows" not in text
+    assert "commit aaaaaaa" in text and "| over_promises | 0 |" in text and "| under_promises | 63 |" in text
+    assert "| metric_kept | 97,856 |" in text and "rows" not in text
     (tmp_path / "vllm_index_promises.json").write_text(json.dumps({**out, "provenance": _prov(True)}))
     with pytest.raises(tables.DirtyResultError):
         tables.render_block("vllm-index-promises", tmp_path)
