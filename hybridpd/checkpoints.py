@@ -234,6 +234,54 @@ def requested_checkpoints(
     return tuple(sorted(kept)[-max_extra:])
 
 
+def stage_length(position: int, unit: int, drop_eagle_block: bool) -> int:
+    """The prompt prefix whose tail checkpoint is ``position`` (a multiple of
+    ``unit``) under both tail rules, ours (:func:`checkpoint_position`) and
+    vLLM 0.32's (``get_mamba_prefill_checkpoint_position``: ``N // u * u - u``
+    under EAGLE): one token past it, with EAGLE one unit and one token past it
+    (so the attention entry a later EAGLE hit drops from is ``position + u``).
+
+    >>> stage_length(96, 16, False), stage_length(96, 16, True)
+    (97, 113)
+    >>> checkpoint_position(97, 16, False), checkpoint_position(113, 16, True), 113 // 16 * 16 - 16
+    (96, 96, 96)
+    """
+    return position + 1 + (unit if drop_eagle_block else 0)
+
+
+def staged_checkpoints(
+    requested: Sequence[int],
+    num_tokens: int,
+    unit: int,
+    drop_eagle_block: bool,
+    max_extra: int = MAX_REQUESTED_CHECKPOINTS,
+) -> tuple[tuple[int, int], ...]:
+    """For an engine that keeps a partial-prefix state only at a prompt's tail
+    (vLLM): the ``(position, prefix length)`` prefills that leave the extra
+    checkpoints ``requested`` asks for, ascending, run one after another before
+    the prompt itself (``num_tokens``: the tokens that prefill computes).
+
+    Each junction ``r`` becomes :func:`junction_position` (the checkpoint a later
+    request sharing ``[0, r)`` hits), kept iff above 0 and below the prompt's own
+    tail; duplicates collapse; of more than ``max_extra`` the deepest are kept.
+    The prefix length is :func:`stage_length`. No alignment or slot-column rule
+    applies: each prefix is a prompt of its own, whose tail vLLM writes itself.
+
+    >>> staged_checkpoints([20, 41, 90], 100, 8, False)
+    ((16, 17), (40, 41), (88, 89))
+    >>> staged_checkpoints([20, 41, 90, 99], 100, 8, True)
+    ((8, 17), (32, 41), (80, 89))
+    >>> staged_checkpoints([5, 1000, 1500], 1600, 16, False, max_extra=1)
+    ((1488, 1489),)
+    """
+    if max_extra <= 0:
+        return ()
+    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    kept = {junction_position(min(max(r, 0), num_tokens), unit, drop_eagle_block) for r in requested}
+    chosen = sorted(p for p in kept if 0 < p < tail)[-max_extra:]
+    return tuple((p, stage_length(p, unit, drop_eagle_block)) for p in chosen)
+
+
 def needs_rekey(position: int, query_end: int, mamba_block_size: int) -> bool:
     """True when the written slot's natural key is not state@``position``."""
     return natural_position(checkpoint_slot_column(query_end, mamba_block_size), mamba_block_size) != position

@@ -78,8 +78,8 @@ class EngineRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     #: extra checkpoint positions (token counts, ascending) the prefill should
-    #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``.
-    #: The vLLM engine ignores them.
+    #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``
+    #: (the vLLM engine: ``checkpoints.staged_checkpoints``).
     checkpoints: tuple[int, ...] = ()
     #: low priority: runs on the step budget and seats the other requests leave, and
     #: never holds up their admission (answer checkpoints; the native engine)
@@ -286,6 +286,14 @@ class Engine(Protocol):
         """Where this engine's prefill of ``request`` from a hit of ``num_cached``
         tokens leaves its tail state checkpoint (0: none). The router remembers it
         on the instance until the index reports it (``RecentPrefills``)."""
+        ...
+
+    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
+        """Where this engine's prefill of ``request`` from a hit of ``num_cached``
+        tokens leaves the extra checkpoints ``request.checkpoints`` asked for
+        (ascending; the tail not among them): the native scheduler's
+        ``checkpoints.requested_checkpoints``, vLLM's checkpoint prefixes
+        (``checkpoints.staged_checkpoints``). The router remembers them like the tail."""
         ...
 
     def queued_prompt_tokens(self) -> int:

@@ -198,6 +198,7 @@ class PrefillWorker(WorkerBase):
             loaded_from_store=loaded,
             ticket=ticket,
             tail_checkpoint=self.engine.tail_checkpoint(req, out.num_cached_tokens, True),
+            extra_checkpoints=self.engine.extra_checkpoints(req, out.num_cached_tokens, True),
         )
 
     def _maybe_load(self, cmd: PrefillCommand) -> int:

@@ -259,6 +259,8 @@ class Dispatcher:
             self.queued[name] -= work
         if hashes:
             self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens, pr.tail_checkpoint)
+            for position in pr.extra_checkpoints:
+                self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens, position)
         return pr
 
     def answer(self, instance: str, req: EngineRequest) -> bool:

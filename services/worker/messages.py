@@ -33,6 +33,8 @@ class PrefillResult:
     #: where the engine left this prompt's tail state checkpoint (``Engine.tail_checkpoint``;
     #: 0: none; None: not reported, the router predicts it by the native rule)
     tail_checkpoint: int | None = None
+    #: where it left the extra checkpoints the request asked for (``Engine.extra_checkpoints``)
+    extra_checkpoints: tuple[int, ...] = ()
 
     @property
     def has_handoff(self) -> bool:

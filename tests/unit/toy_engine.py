@@ -186,6 +186,9 @@ class ToyEngine:
     def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
         return (len(request.prompt_token_ids) - 1) // self.unit * self.unit
 
+    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
+        return ()
+
     def queued_prompt_tokens(self) -> int:
         return sum(len(s.request.prompt_token_ids) for s in self.seqs.values() if not s.prompt_done)
 

@@ -4,6 +4,7 @@ as in the actors; each gets its own NIXL side-channel port)."""
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from hybridpd.config import load_config
@@ -49,11 +50,12 @@ def req(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None) -
 
 
 def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
-    """Run prompts one after another; report tokens and cached tokens per prompt."""
+    """Run prompts ``(rid, tokens[, checkpoints])`` one after another; report
+    tokens and cached tokens per prompt (and ``_prefixes``: checkpoint prefixes run)."""
     eng = _engine("local", overrides)
     out = {}
-    for rid, toks in prompts:
-        eng.add_request(req(rid, toks, max_tokens))
+    for rid, toks, *positions in prompts:
+        eng.add_request(replace(req(rid, toks, max_tokens), checkpoints=tuple(positions[0]) if positions else ()))
         got: list[int] = []
         cached = 0
         while eng.has_work():
@@ -62,6 +64,7 @@ def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, o
                 cached = max(cached, o.num_cached_tokens)
         out[rid] = {"tokens": got, "cached": cached}
     out["_stats"] = eng.stats()
+    out["_prefixes"] = eng.stages.prefixes_run
     q_out.put(out)
 
 
@@ -76,8 +79,10 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
         msg = next_message(eng, q_in)
         if msg == "exit":
             break
-        rid, toks, max_tokens, *rest = msg
+        rid, toks, max_tokens, *rest = msg  # rest: [corrupt[, checkpoints]]
         request = req(rid, toks, max_tokens)
+        if len(rest) > 1:
+            request = replace(request, checkpoints=tuple(rest[1]))
         eng.add_request(request, prefill_only=True)
         outs = []
         while not any(o.finished for o in outs) and eng.has_work():
@@ -176,7 +181,7 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(5, 2048) for _ in range(n)]
 
 
-def run_local(prompts: list[tuple[str, list[int]]], max_tokens: int, **overrides: Any) -> dict:
+def run_local(prompts: list[tuple[Any, ...]], max_tokens: int, **overrides: Any) -> dict:
     """``local_worker`` in a fresh spawned process (one vLLM engine per process)."""
     import multiprocessing as mp
 

