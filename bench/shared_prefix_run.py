@@ -172,6 +172,13 @@ def run_plan(
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
 VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
+#: our stack on the vLLM engine (``hybridpd up --engine vllm``, 2 prefill + 1 decode,
+#: branch-aware: router-chosen checkpoints as vLLM prefixes), run from the vLLM environment
+STACK_VLLM = "stack-vllm"
+STACK_VLLM_ARGS = (
+    *("--engine", "vllm", "--model", "tiny", "--num-prefill", "2", "--num-decode", "1"),
+    *("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--checkpoint-policy", "branch-aware"),
+)
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
@@ -190,7 +197,27 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
         "vllm-pd": [],
+        STACK_VLLM: ["--prefix-match-unit", str(w.unit), *STACK_VLLM_ARGS, *common[4:]],
     }
+
+
+def _run_stack_vllm(args: list[str], plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
+    """``stack-vllm``: ``hybridpd up`` of the vLLM environment with ``args``; chat prompts'
+    ids from the router's own tokenizer of the model it serves."""
+    from bench.vllm_direct import tiny_model
+    from hybridpd.tokenizer import ChatMessage, TextTokenizer
+    from launch.stack_process import StackProcess
+
+    venv = vllm_venv()
+    if venv is None:
+        raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
+    tok = TextTokenizer(Path(tiny_model(venv)))
+    with StackProcess(tmp, args, 900, venv / "bin" / "hybridpd") as st:
+        out = run_plan(
+            st.http, plan, w, lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs]), False
+        )
+    out["server"] = "hybridpd up " + " ".join(args)
+    return out
 
 
 def _run_vllm(name: str, plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
@@ -244,13 +271,17 @@ def run(
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
             if name in VLLM_VARIANTS:
                 got = _run_vllm(name, plan, w, Path(tmp))
+            elif name == STACK_VLLM:
+                got = _run_stack_vllm(args, plan, w, Path(tmp))
             else:
                 with StackProcess(Path(tmp), args) as st:
                     got = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
         return {**got, "wall_s": time.monotonic() - t0}
 
     fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
-    results, notes = measure_variants(fns, repeats, {n: vllm_venv() for n in fns if n in VLLM_VARIANTS})
+    results, notes = measure_variants(
+        fns, repeats, {n: vllm_venv() for n in fns if n in VLLM_VARIANTS or n == STACK_VLLM}
+    )
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
     out = {

@@ -279,9 +279,10 @@ def bench_growing_streams(
     "--variant",
     "variants",
     multiple=True,
-    type=click.Choice(["tail-only", "branch-aware", "nocache", "vllm-direct", "vllm-pd"]),
+    type=click.Choice(["tail-only", "branch-aware", "nocache", "stack-vllm", "vllm-direct", "vllm-pd"]),
     help="Run only these variants and merge them into the same workload's results already in --json"
-    " (vllm-direct and vllm-pd, vLLM's own prefill/decode setup, need the vLLM environment: make bootstrap-vllm).",
+    " (stack-vllm, our stack on the vLLM engine, vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
+    " need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(
     "--workload",

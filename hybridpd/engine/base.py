@@ -81,8 +81,9 @@ class EngineRequest:
     #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``
     #: (the vLLM engine: ``checkpoints.staged_checkpoints``).
     checkpoints: tuple[int, ...] = ()
-    #: low priority: runs on the step budget and seats the other requests leave, and
-    #: never holds up their admission (answer checkpoints; the native engine)
+    #: low priority: never holds up foreground work (answer checkpoints). The native
+    #: engine runs it on the step budget and seats the others leave; vLLM only while
+    #: no foreground request is live, aborted and re-queued when one arrives
     background: bool = False
 
 

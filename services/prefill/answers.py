@@ -70,9 +70,11 @@ class AnswerCheckpoints:
         self._thread.start()
 
     def submit(self, req: EngineRequest) -> bool:
-        """Queue ``req`` (a background request); False when this engine cannot
-        make checkpoints of it (the vLLM engine: its connector owns the cache)."""
-        if not self.engine.imports_checkpoints or not req.background:
+        """Queue ``req`` (a background request; False, counted as skipped, for any
+        other). Either engine runs it at low priority: the native scheduler on the
+        budget others leave, vLLM only while no foreground request is live
+        (``engine/vllm/background.py``)."""
+        if not req.background:
             self.count("answer_checkpoints_skipped", 1)
             return False
         with self._cond:

@@ -59,6 +59,7 @@ from hybridpd.engine.base import (
     StateCheckpoint,
 )
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
+from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
 from hybridpd.engine.vllm.stages import Stages
@@ -180,6 +181,8 @@ class VllmEngine:
         self.prefill_backoff = self._prefill_backoff() if role == "prefill" else 0
         #: prompts waiting for their checkpoint prefixes (``stages.py``)
         self.stages = Stages()
+        #: background requests (answer checkpoints), run only while no foreground one is live
+        self.background = BackgroundQueue()
         #: whether this engine's hits drop a unit for an EAGLE-family drafter (vLLM's scheduler says)
         self.drop_eagle_block = bool(getattr(getattr(self._core(), "scheduler", None), "use_eagle_block_drop", False))
 
@@ -263,16 +266,36 @@ class VllmEngine:
             raise InvalidRequestError("duplicate request id %s" % request.request_id)
         if prefill_only and self.role != "prefill":
             raise InvalidRequestError("prefill_only needs an engine in the prefill role, not %s" % self.role)
+        if request.background:
+            if prefill_only or self.role == "decode":
+                raise InvalidRequestError("a background request runs whole on a local or prefill engine")
+            self._register(request)
+            self.live[request.request_id] = _Live(request, False)
+            self.background.add(request)  # handed to vLLM by step() once no foreground request is live
+            return
+        preempted = self.background.preempt()
+        if preempted is not None:  # never let a background prefill hold a chunk foreground work needs
+            self.engine.abort_request([preempted])
         transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
-        if self.feed is not None and self.cfg.enable_prefix_caching:  # before vLLM can publish any of it
-            self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
+        self._register(request)
         self.live[request.request_id] = _Live(request, prefill_only)
         first = self.stages.start(request, self.checkpoint_plan(request, prefill_only))
         if first is not None:
             self._submit(first, 1, None)
         else:
             self._submit(request, max_tokens, transfer)
+
+    def _register(self, request: EngineRequest) -> None:
+        """Tell the event feed the prompt's chain before vLLM can publish any of it."""
+        if self.feed is not None and self.cfg.enable_prefix_caching:
+            self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
+
+    def _admit_background(self) -> None:
+        foreground = any(not v.request.background for v in self.live.values())
+        nxt = self.background.admit(foreground)
+        if nxt is not None:
+            self._submit(nxt, nxt.sampling.max_tokens, None)
 
     def checkpoint_plan(self, request: EngineRequest, prefill_only: bool) -> tuple[tuple[int, int], ...]:
         """The ``(position, prefix length)`` prefixes prefilled before ``request``
@@ -323,6 +346,11 @@ class VllmEngine:
     def abort(self, request_id: RequestId | str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
+        if self.background.queued or self.background.running is not None:
+            running = self.background.drop(request_id)
+            if running is not None:
+                self.engine.abort_request([running])
+                return True
         prefix = self.stages.abort(request_id)
         self.engine.abort_request([prefix if prefix is not None else request_id])
         return True
@@ -331,7 +359,7 @@ class VllmEngine:
         """Unfinished requests, or finished ones whose KV a connector still holds
         (prefill keeps blocks until decode's NIXL read is acknowledged: only
         stepping the engine core processes that acknowledgement and frees them)."""
-        if self.pending or self.engine.has_unfinished_requests():
+        if self.pending or self.background.queued or self.engine.has_unfinished_requests():
             return True
         core = self._core()
         return core is not None and core.scheduler.has_requests()
@@ -349,17 +377,21 @@ class VllmEngine:
         outputs, self.pending = self.pending, []
         if not self.live and not outputs:
             time.sleep(0.005)  # only connector bookkeeping left: poll it, do not spin
+        self._admit_background()
         for out in self.engine.step():
             if self.stages.is_prefix(out.request_id):  # a checkpoint prefix: never reported
                 if out.finished:
                     self._resume(out.request_id, int(out.num_cached_tokens or 0))
                 continue
-            live = self.live.get(out.request_id)
-            if live is None:  # aborted meanwhile
+            rid = self.background.owner(out.request_id) or out.request_id
+            if rid != out.request_id and out.finished:
+                self.background.finished()
+            live = self.live.get(rid)
+            if live is None:  # aborted meanwhile (or a preempted background try)
                 continue
             comp = out.outputs[0]
             tokens = tuple(comp.token_ids)
-            cached = self.stages.reported_hit(out.request_id, int(out.num_cached_tokens or 0), out.finished)
+            cached = self.stages.reported_hit(rid, int(out.num_cached_tokens or 0), out.finished)
             if live.handoff is not None:
                 cached = live.handoff.num_cached_tokens
             reason = None
@@ -370,12 +402,12 @@ class VllmEngine:
             if live.prefill_only and out.finished:
                 params = out.kv_transfer_params or {}
                 if params:  # handed off: finished here, not for the client
-                    self.handoffs[out.request_id] = VllmTicket(out.request_id, 0, None, cached, params)
+                    self.handoffs[rid] = VllmTicket(rid, 0, None, cached, params)
                     reason = None
                 tokens = ()  # not an output token (see the module docstring)
             outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
             if out.finished:
-                del self.live[out.request_id]
+                del self.live[rid]
         return outputs
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
@@ -403,9 +435,21 @@ class VllmEngine:
         return False
 
     def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """0: vLLM looks its prefix cache up at admission; workers consult this only
-        for engines that import store checkpoints (``imports_checkpoints``)."""
-        return 0
+        """What vLLM's local prefix cache would restore for ``token_ids`` now: its own
+        admission lookup (``KVCacheManager.get_computed_blocks``, which reads the
+        block pool's hash table only) on a request hashed by its engine core; 0
+        without prefix caching. The worker asks before an answer prefill."""
+        core = self._core()
+        if core is None or not self.cfg.enable_prefix_caching or len(token_ids) < 2:
+            return 0
+        from vllm.sampling_params import SamplingParams as VllmSampling
+        from vllm.v1.request import Request
+
+        probe = Request(
+            "local-hit", list(token_ids), VllmSampling(max_tokens=1), None,
+            cache_salt=cache_salt, block_hasher=core.request_block_hasher,
+        )  # fmt: skip
+        return int(core.scheduler.kv_cache_manager.get_computed_blocks(probe)[1])
 
     def handoff_stats(self) -> HandoffStats:
         """vLLM's connector owns its handoffs (its own metrics count them)."""
