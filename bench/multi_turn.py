@@ -213,17 +213,26 @@ def predicted_hit(prev_prompt: int, prev_completion: int, unit: int) -> int:
     return max(prev_prompt + prev_completion - 1, 0) // unit * unit
 
 
+#: the variants with answer checkpoints, and their checks' key
+ANSWER_VARIANTS = {"answers-cached": "answers_cached", "stack-vllm": "stack_vllm"}
+#: issue #26's budgets for ``stack-vllm``: answer tokens hit, TTFT p50 against answers off
+STACK_VLLM_ANSWER_HIT_MIN, STACK_VLLM_TTFT_MAX = 0.9, 1.1
+
+
 def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
     """The per-request checks of one repeat (``{name: that repeat's result}``)."""
     out: dict[str, Any] = {}
     ac, po = variants.get("answers-cached"), variants.get("prompt-only")
+    for name, key in ANSWER_VARIANTS.items():
+        v = variants.get(name)
+        if v is not None:
+            out[key + "_over_bound"] = [
+                "user%d/round%d" % (r["user"], r["round"])
+                for r in v["requests"]
+                if r["round"] >= 2 and r["recomputed_tokens"] > r["ideal_tokens"] + unit
+            ]
     if ac is not None:
         later = [r for r in ac["requests"] if r["round"] >= 2]
-        out["answers_cached_over_bound"] = [
-            "user%d/round%d" % (r["user"], r["round"])
-            for r in later
-            if r["recomputed_tokens"] > r["ideal_tokens"] + unit
-        ]
         prev = {(r["user"], r["round"]): r for r in ac["requests"]}
         out["answers_cached_hit_not_predicted"] = [
             "user%d/round%d: cached %d, protocol %d" % (r["user"], r["round"], r["cached_tokens"], want)
@@ -290,6 +299,18 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
     if ac is not None and po is not None:
         out["same_run"] = same_run([r for v in variants.values() for r in v.get("provenance", [])])
         out["done_when"] = bool(out["answers_cached_ok"] and out["prompt_only_recomputes_answer"] and out["same_run"])
+    sv, svp = variants.get("stack-vllm"), variants.get("stack-vllm-prompt-only")
+    if sv is not None:
+        out["stack_vllm_over_bound"] = failures("stack_vllm_over_bound")
+        out["stack_vllm_ok"] = not out["stack_vllm_over_bound"]
+        hit = sv.get("answer_tokens_hit_ratio")
+        out["stack_vllm_answer_hit_ratio"] = hit
+        out["stack_vllm_answer_hit_ok"] = hit is not None and hit >= STACK_VLLM_ANSWER_HIT_MIN
+    if sv is not None and svp is not None:
+        a, b = sv.get("ttft_p50_ms"), svp.get("ttft_p50_ms")
+        out["stack_vllm_ttft_ratio"] = a / b if a and b else None
+        out["stack_vllm_ttft_ok"] = bool(a and b and a / b <= STACK_VLLM_TTFT_MAX)
+        out["stack_vllm_same_run"] = same_run(list(sv.get("provenance", [])) + list(svp.get("provenance", [])))
     return out
 
 

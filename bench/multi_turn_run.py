@@ -70,9 +70,15 @@ class Encoders:
 def native_encoders() -> Encoders:
     """The router's tokenization (the bundled model's assets)."""
     import hybridpd
+
+    return router_encoders(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+
+
+def router_encoders(tokenizer_dir: Path) -> Encoders:
+    """The router's tokenization of the model whose tokenizer files are in ``tokenizer_dir``."""
     from hybridpd.tokenizer import ChatMessage, TextTokenizer
 
-    tok = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+    tok = TextTokenizer(tokenizer_dir)
     special = frozenset(i for i, t in tok.tok.get_added_tokens_decoder().items() if t.special)
 
     def suffix_tokens(msgs: Messages) -> int:
@@ -260,8 +266,14 @@ def run_conversations(
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
 VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
+#: our stack on the vLLM engine (2 prefill + 1 decode), with answer checkpoints and without
+STACK_VLLM = ("stack-vllm", "stack-vllm-prompt-only")
+STACK_VLLM_ARGS = (
+    *("--engine", "vllm", "--model", "tiny", "--num-prefill", "2", "--num-decode", "1"),
+    *("--max-model-len", "8192", "--max-num-batched-tokens", "8192"),
+)
 #: the variants in the order the JSON and tables list them
-ORDER = (*VARIANTS, *(v for v in VLLM_VARIANTS if v not in VARIANTS))
+ORDER = (*VARIANTS, *(v for v in (*VLLM_VARIANTS, *STACK_VLLM) if v not in VARIANTS))
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
@@ -273,7 +285,25 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
         "vllm-pd": [],
+        "stack-vllm": [*common[:2], *STACK_VLLM_ARGS, "--answer-checkpoints"],
+        "stack-vllm-prompt-only": [*common[:2], *STACK_VLLM_ARGS, "--no-answer-checkpoints"],
     }
+
+
+def _run_stack_vllm(args: list[str], plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
+    """A ``STACK_VLLM`` variant: ``hybridpd up`` of the vLLM environment with ``args``;
+    the router's own tokenization of the model it serves."""
+    from bench.vllm_direct import tiny_model
+    from launch.stack_process import StackProcess
+
+    venv = vllm_venv()
+    if venv is None:
+        raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
+    enc = router_encoders(Path(tiny_model(venv)))
+    with StackProcess(tmp, args, 900, venv / "bin" / "hybridpd") as st:
+        out = run_conversations(st.http, plan, w, enc, native=True)
+    out["server"] = "hybridpd up " + " ".join(args)
+    return out
 
 
 def _run_vllm(name: str, plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
@@ -331,13 +361,17 @@ def run(
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
             if name in VLLM_VARIANTS:
                 got = _run_vllm(name, plan, w, Path(tmp))
+            elif name in STACK_VLLM:
+                got = _run_stack_vllm(args, plan, w, Path(tmp))
             else:
                 with StackProcess(Path(tmp), args) as st:
                     got = run_conversations(st.http, plan, w, enc, native=True)
         return {**got, "wall_s": time.monotonic() - t0}
 
     fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
-    results, notes = measure_variants(fns, repeats, {n: vllm_venv() for n in fns if n in VLLM_VARIANTS})
+    results, notes = measure_variants(
+        fns, repeats, {n: vllm_venv() for n in fns if n in VLLM_VARIANTS or n in STACK_VLLM}
+    )
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
     results = {k: results[k] for k in ORDER if k in results}

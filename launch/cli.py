@@ -321,9 +321,12 @@ def bench_shared_prefix(
     "--variant",
     "variants",
     multiple=True,
-    type=click.Choice(["answers-cached", "prompt-only", "nocache", "vllm-direct", "vllm-pd"]),
+    type=click.Choice(
+        ["answers-cached", "prompt-only", "nocache", "vllm-direct", "vllm-pd", "stack-vllm", "stack-vllm-prompt-only"]
+    ),
     help="Run only these variants and merge them into the same workload's results already in --json"
-    " (vllm-direct and vllm-pd, vLLM's own prefill/decode setup, need the vLLM environment: make bootstrap-vllm).",
+    " (stack-vllm[-prompt-only], our stack on the vLLM engine with answer checkpoints on [off], vllm-direct"
+    " and vllm-pd, vLLM's own prefill/decode setup, need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(
     "--workload",

@@ -225,3 +225,23 @@ def test_write_renders_aggregated_repeats(tmp_path: Any) -> None:
     path = tmp_path / "mt.json"
     multi_turn_run._write(path, out)
     assert path.with_suffix(".png").exists() and "| answers-cached | 2 |" in path.with_suffix(".md").read_text()
+
+
+def test_checks_stack_vllm() -> None:
+    """Issue #26's budgets for our stack on vLLM: per request at most ideal + u in
+    rounds >= 2, answer tokens hit >= 0.9, TTFT p50 within 10% of answers off."""
+    u = 16
+    cached = [rec(1, 1, 278, 0, ttft=50.0), rec(1, 2, 460, 400, ttft=30.0), rec(1, 3, 642, 576, ttft=30.0)]
+    off = [rec(1, 1, 278, 0, ttft=50.0), rec(1, 2, 460, 272, ttft=28.0), rec(1, 3, 642, 448, ttft=28.0)]
+    v = {"stack-vllm": _variant(cached), "stack-vllm-prompt-only": _variant(off, started=40.0)}
+    out = checks(v, u)
+    assert out["stack_vllm_ok"] and out["stack_vllm_over_bound"] == []
+    assert out["stack_vllm_answer_hit_ratio"] == summarize(cached)["answer_tokens_hit_ratio"]
+    assert out["stack_vllm_answer_hit_ok"] and out["stack_vllm_same_run"]
+    assert out["stack_vllm_ttft_ratio"] == pytest.approx(30.0 / 28.0) and out["stack_vllm_ttft_ok"]
+    slow = [dict(r, ttft_ms=r["ttft_ms"] * 1.2) for r in cached]
+    assert not checks({**v, "stack-vllm": _variant(slow)}, u)["stack_vllm_ttft_ok"]
+    over = [rec(1, 1, 278, 0), rec(1, 2, 460, 272), rec(1, 3, 642, 576)]  # round 2 recomputes the answer
+    out = checks({**v, "stack-vllm": _variant(over)}, u)
+    assert out["stack_vllm_over_bound"] == ["repeat 1: user1/round2"] and not out["stack_vllm_ok"]
+    assert not out["stack_vllm_answer_hit_ok"]
