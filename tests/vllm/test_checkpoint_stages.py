@@ -13,17 +13,13 @@ scheduler decisions, exact on any CPU; outputs are compared with
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 
 pytest.importorskip("vllm")
 
 from hybridpd.checkpoints import junction_position, staged_checkpoints
-from hybridpd.procs import free_port
-from tests.vllm.workers import assert_match_reference, decode_worker, prefill_worker, run_local, tokens
+from tests.vllm.workers import PdPair, assert_match_reference, run_local, tokens
 
-CTX = mp.get_context("spawn")
 SHARED, OWN, JUNCTION, UNIT = 1500, 800, 1000, 16
 
 
@@ -62,24 +58,10 @@ def test_checkpoints_on_a_pd_prefill_engine() -> None:
     c = a[:1400] + tokens(300, 4)
     got: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
-    qp_in, qp_out, qd_in, qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
-    pre = CTX.Process(target=prefill_worker, args=(qp_in, qp_out, free_port(), {}))
-    dec = CTX.Process(target=decode_worker, args=(qd_in, qd_out, free_port(), {}))
-    pre.start()
-    dec.start()
-    try:
-        assert qp_out.get(timeout=300) == "ready" and qd_out.get(timeout=300) == "ready"
+    with PdPair() as pd:
         for rid, toks, positions in (("A", a, (JUNCTION, 1400)), ("B", b, ()), ("C", c, ())):
-            qp_in.put((rid, toks, 6, False, positions))
-            request, ticket, _ = qp_out.get(timeout=300)
+            _, ticket, _, got[rid] = pd.run(rid, toks, 6, checkpoints=positions)
             cached[rid] = ticket.num_cached_tokens
-            qd_in.put((request, ticket))
-            got[rid] = qd_out.get(timeout=300)
-    finally:
-        qp_in.put("exit")
-        qd_in.put("exit")
-        pre.join(60)
-        dec.join(60)
     print(cached)
     assert cached == {"A": 0, "B": 992, "C": 1392}
     assert_match_reference([("A", a), ("B", b), ("C", c)], 6, got)

@@ -11,24 +11,12 @@ handoff (``test_prefill_decode_over_nixl_matches_local_run``)."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import pytest
 
 pytest.importorskip("vllm")
 
-from hybridpd.procs import free_port
 from tests.greedy import BF16_TOL, assert_greedy_matches
-from tests.vllm.workers import (
-    assert_match_reference,
-    decode_worker,
-    prefill_worker,
-    run_local,
-    run_reference,
-    tokens,
-)
-
-CTX = mp.get_context("spawn")
+from tests.vllm.workers import PdPair, assert_match_reference, run_local, run_reference, tokens
 
 
 def test_prefix_hit_is_reported_and_output_matches_no_cache() -> None:
@@ -53,25 +41,11 @@ def test_prefill_decode_over_nixl_matches_local_run() -> None:
     prompts = [("pd%d" % i, tokens(n, 10 + i)) for i, n in enumerate((40, 700, 1400))]
     bad_rid, bad_toks = "pd-corrupt", tokens(40, 99)  # fresh tokens (no prefix hit); one block holds all its KV
     got: dict[str, list[int]] = {}
-    qp_in, qp_out, qd_in, qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
-    pre = CTX.Process(target=prefill_worker, args=(qp_in, qp_out, free_port(), {}))
-    dec = CTX.Process(target=decode_worker, args=(qd_in, qd_out, free_port(), {}))
-    pre.start()
-    dec.start()
-    try:
-        assert qp_out.get(timeout=300) == "ready" and qd_out.get(timeout=300) == "ready"
+    with PdPair() as pd:
         for rid, toks, corrupt in [(r, t, False) for r, t in prompts] + [(bad_rid, bad_toks, True)]:
-            qp_in.put((rid, toks, 10, corrupt))
-            request, ticket, prefill_tokens = qp_out.get(timeout=300)
+            _, ticket, prefill_tokens, got[rid] = pd.run(rid, toks, 10, corrupt)
             assert ticket.kv_transfer_params, ticket
             assert prefill_tokens == []  # decode produces every output token
-            qd_in.put((request, ticket))
-            got[rid] = qd_out.get(timeout=300)
-    finally:
-        qp_in.put("exit")
-        qd_in.put("exit")
-        pre.join(60)
-        dec.join(60)
     refs = run_reference([*prompts, (bad_rid, bad_toks)], 10, got)
     for rid, _ in prompts:
         ref, deficits = refs[rid]

@@ -131,6 +131,43 @@ def decode_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> Non
     q_out.put("bye")
 
 
+class PdPair:
+    """A prefill and a decode engine, each in its own spawned process
+    (:func:`prefill_worker`, :func:`decode_worker`), as a context manager."""
+
+    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+        import multiprocessing as mp
+
+        from hybridpd.procs import free_port
+
+        ctx = mp.get_context("spawn")
+        self.qp_in, self.qp_out, self.qd_in, self.qd_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self.pre = ctx.Process(target=prefill_worker, args=(self.qp_in, self.qp_out, free_port(), overrides or {}))
+        self.dec = ctx.Process(target=decode_worker, args=(self.qd_in, self.qd_out, free_port(), overrides or {}))
+
+    def __enter__(self) -> PdPair:
+        self.pre.start()
+        self.dec.start()
+        assert self.qp_out.get(timeout=300) == "ready" and self.qd_out.get(timeout=300) == "ready"
+        return self
+
+    def run(
+        self, rid: str, toks: list[int], max_tokens: int, corrupt: bool = False, checkpoints: tuple[int, ...] = ()
+    ) -> tuple[Any, Any, list[int], list[int]]:
+        """Prefill ``toks`` (``corrupt``: one handoff block negated first), decode it:
+        (the request, the ticket, the prefill's tokens, decode's tokens)."""
+        self.qp_in.put((rid, toks, max_tokens, corrupt, checkpoints))
+        request, ticket, prefill_tokens = self.qp_out.get(timeout=300)
+        self.qd_in.put((request, ticket))
+        return request, ticket, prefill_tokens, self.qd_out.get(timeout=300)
+
+    def __exit__(self, *exc: object) -> None:
+        self.qp_in.put("exit")
+        self.qd_in.put("exit")
+        self.pre.join(60)
+        self.dec.join(60)
+
+
 def events_worker(q_out, redis_url: str, prompts: list[tuple[str, list[int], str | None]], max_tokens: int) -> None:  # type: ignore[no-untyped-def]
     """A vLLM engine with cache events, mirrored into the index as instance
     'vllm-0' the way the prefill worker does (``PrefixIndex.apply_local``);
