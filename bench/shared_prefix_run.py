@@ -297,14 +297,33 @@ def run(
 
 
 def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
-    """``branch-aware`` at least ``bound`` of the ideal on every phase (counted
-    requests); every chat prompt's token count equal to the server's."""
+    """``branch-aware`` and ``stack-vllm`` at least ``bound`` of the ideal on every
+    phase (counted requests); ``stack-vllm`` above ``vllm-direct`` and ``vllm-pd``
+    on every phase (``stack_vllm_not_above``: the phases where it is not, with
+    both ratios), from one run (``stack_vllm_same_run``, from the provenance);
+    every chat prompt's token count equal to the server's."""
+    from bench.provenance import same_run
+
     out: dict[str, Any] = {"prompt_tokens_match": {k: v["prompt_tokens_match"] for k, v in results.items()}}
-    if "branch-aware" in results:
-        ratios = {p: x["hit_ratio"] for p, x in results["branch-aware"]["phases"].items()}
-        out["branch_aware_hit_ratio_min"] = bound
-        out["branch_aware_ok"] = all(r >= bound for r in ratios.values())
-        out["branch_aware_below"] = sorted(p for p, r in ratios.items() if not r >= bound)
+    for name, key in (("branch-aware", "branch_aware"), (STACK_VLLM, "stack_vllm")):
+        if name in results:
+            ratios = {p: x["hit_ratio"] for p, x in results[name]["phases"].items()}
+            out[key + "_hit_ratio_min"] = bound
+            out[key + "_ok"] = all(r >= bound for r in ratios.values())
+            out[key + "_below"] = sorted(p for p, r in ratios.items() if not r >= bound)
+    theirs = [n for n in VLLM_VARIANTS if n in results]
+    if STACK_VLLM in results and theirs:
+        ours = results[STACK_VLLM]["phases"]
+        out["stack_vllm_not_above"] = sorted(
+            "%s: %.3f vs %s %.3f" % (p, x["hit_ratio"], n, results[n]["phases"][p]["hit_ratio"])
+            for p, x in ours.items()
+            for n in theirs
+            if not x["hit_ratio"] > results[n]["phases"][p]["hit_ratio"]
+        )
+        out["stack_vllm_above_vllm"] = not out["stack_vllm_not_above"]
+        out["stack_vllm_same_run"] = same_run(
+            [r for n in (STACK_VLLM, *theirs) for r in results[n].get("provenance", [])]
+        )
     return out
 
 

@@ -161,3 +161,29 @@ def test_summarize_exact() -> None:
     b = bare["fanout_ids"]
     assert b["state_bytes"] is None and b["state_bytes_per_cached_token"] is None and b["tails_forbidden"] is None
     assert b["counted"] == [] and math.isnan(b["hit_ratio"]) and b["hit_ratio_all"] == 0.0
+
+
+def test_checks_stack_vllm_against_vllm() -> None:
+    """Issue #26: stack-vllm >= 0.9 of the ideal on every phase and above vllm-direct
+    and vllm-pd on each, from one run (the provenance's times and commit)."""
+    from bench.shared_prefix_run import checks
+
+    def variant(ratios: dict[str, float], started: float, commit: str = "c0") -> dict:
+        prov = {"commit": commit, "dirty": False, "started": started, "ended": started + 60.0}
+        phases = {p: {"hit_ratio": r} for p, r in ratios.items()}
+        return {"phases": phases, "prompt_tokens_match": True, "provenance": [prov]}
+
+    ours = variant({"fanout_ids": 1.0, "tree_ids": 0.95}, 0.0)
+    direct = variant({"fanout_ids": 0.0, "tree_ids": 0.83}, 70.0)
+    pd = variant({"fanout_ids": 0.0, "tree_ids": 0.78}, 140.0)
+    out = checks({"stack-vllm": ours, "vllm-direct": direct, "vllm-pd": pd})
+    assert out["stack_vllm_ok"] and out["stack_vllm_above_vllm"] and out["stack_vllm_same_run"]
+    assert out["stack_vllm_below"] == [] and out["stack_vllm_not_above"] == []
+    tied = variant({"fanout_ids": 0.0, "tree_ids": 0.95}, 140.0)
+    out = checks({"stack-vllm": ours, "vllm-direct": direct, "vllm-pd": tied})
+    assert not out["stack_vllm_above_vllm"] and out["stack_vllm_not_above"] == ["tree_ids: 0.950 vs vllm-pd 0.950"]
+    low = variant({"fanout_ids": 1.0, "tree_ids": 0.88}, 0.0)
+    out = checks({"stack-vllm": low, "vllm-direct": direct, "vllm-pd": pd})
+    assert not out["stack_vllm_ok"] and out["stack_vllm_below"] == ["tree_ids"] and out["stack_vllm_above_vllm"]
+    later = variant({"fanout_ids": 0.0, "tree_ids": 0.78}, 140.0, commit="c1")
+    assert not checks({"stack-vllm": ours, "vllm-direct": direct, "vllm-pd": later})["stack_vllm_same_run"]
