@@ -108,7 +108,7 @@ def _alternating(stack: Stack, urls: list[str], w: Workload) -> list[dict]:
                     hits = [max(stack.lookup(st[:nxt]).instance_hits.values(), default=0) for st in streams]
                     return all(h >= want for h in hits) or Pending(hits)
 
-                wait_until(published, 30, 0.05, "every stream's tail checkpoint (%d) in the index" % want)
+                wait_until(published, 120, 0.05, "every stream's tail checkpoint (%d) in the index" % want)
     return out
 
 

@@ -65,3 +65,14 @@ def test_checkpoints_on_a_pd_prefill_engine() -> None:
     print(cached)
     assert cached == {"A": 0, "B": 992, "C": 1392}
     assert_match_reference([("A", a), ("B", b), ("C", c)], 6, got)
+
+
+def test_no_prefix_below_what_is_cached() -> None:
+    """A prompt that extends A (cached to A's tail, 2,288) asks for 1,000: no prefix
+    runs (one would recompute what is cached, vLLM keeps no state at 992), and the
+    prompt reports A's tail as its hit."""
+    a, _ = _prompts()
+    d = a + tokens(300, 5)
+    got = run_local([("A", a), ("D", d, (JUNCTION,))], 4)
+    assert got["_prefixes"] == 0
+    assert got["D"]["cached"] == (len(a) - 1) // UNIT * UNIT  # 2288

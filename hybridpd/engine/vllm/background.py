@@ -29,14 +29,24 @@ class BackgroundQueue:
     """Background requests not yet in vLLM, and the one vLLM runs (at most one)."""
 
     queued: deque[EngineRequest] = field(default_factory=deque)
+    #: request id -> what was cached for it when it arrived (the hit it reports)
+    arrival_hits: dict[str, int] = field(default_factory=dict)
     #: the try vLLM runs: (its vLLM request id, the request)
     running: tuple[str, EngineRequest] | None = None
     tries: int = 0
     #: tries aborted for foreground work
     preempted: int = 0
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: EngineRequest, hit: int) -> None:
+        """Queue ``request``, for which ``hit`` tokens are cached now."""
         self.queued.append(request)
+        self.arrival_hits[request.request_id] = hit
+
+    def reported_hit(self, request_id: str, cached: int, finished: bool) -> int:
+        """The hit to report: at most what was cached when the request arrived (a
+        later try also finds what an aborted one computed); ``finished``: forget it."""
+        hit = self.arrival_hits.pop(request_id, cached) if finished else self.arrival_hits.get(request_id, cached)
+        return min(hit, cached)
 
     def admit(self, foreground_live: bool) -> EngineRequest | None:
         """The next try to hand vLLM (its id a try id), or None: one runs already,
@@ -72,6 +82,7 @@ class BackgroundQueue:
     def drop(self, request_id: str) -> str | None:
         """Forget ``request_id``; returns its running try's vLLM id to abort, if any."""
         self.queued = deque(r for r in self.queued if r.request_id != request_id)
+        self.arrival_hits.pop(request_id, None)
         if self.running is not None and self.running[1].request_id == request_id:
             rid, self.running = self.running[0], None
             return rid

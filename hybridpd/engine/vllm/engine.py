@@ -183,8 +183,11 @@ class VllmEngine:
         self.stages = Stages()
         #: background requests (answer checkpoints), run only while no foreground one is live
         self.background = BackgroundQueue()
+        sched = getattr(self._core(), "scheduler", None)
         #: whether this engine's hits drop a unit for an EAGLE-family drafter (vLLM's scheduler says)
-        self.drop_eagle_block = bool(getattr(getattr(self._core(), "scheduler", None), "use_eagle_block_drop", False))
+        self.drop_eagle_block = bool(getattr(sched, "use_eagle_block_drop", False))
+        #: whether vLLM hits at prefix_match_unit granularity inside its blocks (else extras are not staged)
+        self.partial_hits = bool(getattr(sched, "mamba_partial_cache_hit", False))
 
     def _check_shared_prefix_option(self, asked: bool) -> None:
         """Read back what vLLM made of ``enable_mamba_shared_prefix_checkpoint``: it
@@ -270,21 +273,27 @@ class VllmEngine:
             if prefill_only or self.role == "decode":
                 raise InvalidRequestError("a background request runs whole on a local or prefill engine")
             self._register(request)
+            # handed to vLLM by step() once no foreground request is live; what is cached now is its hit
+            self.background.add(request, self.local_hit(request.prompt_token_ids, request.cache_salt))
             self.live[request.request_id] = _Live(request, False)
-            self.background.add(request)  # handed to vLLM by step() once no foreground request is live
             return
-        preempted = self.background.preempt()
-        if preempted is not None:  # never let a background prefill hold a chunk foreground work needs
-            self.engine.abort_request([preempted])
         transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
         self._register(request)
+        hit = self.local_hit(request.prompt_token_ids, request.cache_salt) if request.checkpoints else 0
+        first = self.stages.start(request, self.checkpoint_plan(request, prefill_only, hit))
+        try:
+            if first is not None:
+                self._submit(first, 1, None)
+            else:
+                self._submit(request, max_tokens, transfer)
+        except Exception:
+            self.stages.abort(request.request_id)
+            raise
         self.live[request.request_id] = _Live(request, prefill_only)
-        first = self.stages.start(request, self.checkpoint_plan(request, prefill_only))
-        if first is not None:
-            self._submit(first, 1, None)
-        else:
-            self._submit(request, max_tokens, transfer)
+        preempted = self.background.preempt()
+        if preempted is not None:  # never let a background prefill hold a chunk foreground work needs
+            self.engine.abort_request([preempted])
 
     def _register(self, request: EngineRequest) -> None:
         """Tell the event feed the prompt's chain before vLLM can publish any of it."""
@@ -294,36 +303,61 @@ class VllmEngine:
     def _admit_background(self) -> None:
         foreground = any(not v.request.background for v in self.live.values())
         nxt = self.background.admit(foreground)
-        if nxt is not None:
+        if nxt is None:
+            return
+        try:
             self._submit(nxt, nxt.sampling.max_tokens, None)
+        except Exception:
+            running = self.background.running
+            self.background.finished()
+            self._fail(running[1].request_id if running is not None else nxt.request_id)
 
-    def checkpoint_plan(self, request: EngineRequest, prefill_only: bool) -> tuple[tuple[int, int], ...]:
+    def _fail(self, request_id: str) -> None:
+        """vLLM refused a request this engine submits on its own (a checkpoint prefix's
+        prompt, a background try): that request ends aborted, the others run on."""
+        logger.exception("vLLM refused %s: it ends aborted", request_id)
+        live = self.live.pop(request_id, None)
+        if live is not None:
+            self.pending.append(self._output(live.request, (), True, FinishReason.ABORT, 0))
+
+    def checkpoint_plan(self, request: EngineRequest, prefill_only: bool, hit: int) -> tuple[tuple[int, int], ...]:
         """The ``(position, prefix length)`` prefixes prefilled before ``request``
         so that vLLM keeps a state at each of its extra checkpoints
         (``checkpoints.staged_checkpoints`` of the tokens this engine computes,
-        at most ``max_extra_checkpoints``); none on a decode engine or without
-        prefix caching."""
+        at most ``max_extra_checkpoints``), each past ``hit`` (what the prompt
+        finds cached: a prefix below it would recompute what is cached); none on a
+        decode engine, without prefix caching, or where vLLM cannot hit at unit
+        granularity (``mamba_partial_cache_hit``: then it hits whole blocks only)."""
         if not request.checkpoints or not self.cfg.enable_prefix_caching or self.role == "decode":
             return ()
-        return staged_checkpoints(
+        if not self.partial_hits:
+            log_once("vLLM hits whole blocks only here (no partial hash hits): extra checkpoints are not staged")
+            return ()
+        plan = staged_checkpoints(
             request.checkpoints,
             self.computed_prompt_tokens(request, prefill_only),
             self.unit,
             self.drop_eagle_block,
             self.cfg.max_extra_checkpoints,
         )
+        return tuple((p, n) for p, n in plan if p > hit)
 
     def _resume(self, request_id: str, cached: int) -> None:
         """A checkpoint prefix finished: submit the next one, or the prompt."""
         nxt = self.stages.finished(request_id, cached)
         if nxt is None:
             return
-        if self.stages.is_prefix(nxt.request_id):
-            self._submit(nxt, 1, None)
-            return
-        live = self.live[nxt.request_id]
-        transfer = {"do_remote_decode": True, "do_remote_prefill": False} if live.prefill_only else None
-        self._submit(nxt, 1 if live.prefill_only else nxt.sampling.max_tokens, transfer)
+        main = self.stages.owner.get(nxt.request_id, nxt.request_id)
+        try:
+            if self.stages.is_prefix(nxt.request_id):
+                self._submit(nxt, 1, None)
+                return
+            live = self.live[nxt.request_id]
+            transfer = {"do_remote_decode": True, "do_remote_prefill": False} if live.prefill_only else None
+            self._submit(nxt, 1 if live.prefill_only else nxt.sampling.max_tokens, transfer)
+        except Exception:
+            self.stages.abort(main)
+            self._fail(main)
 
     def pop_handoff(self, request_id: str) -> VllmTicket | None:
         return self.handoffs.pop(request_id, None)
@@ -384,7 +418,8 @@ class VllmEngine:
                     self._resume(out.request_id, int(out.num_cached_tokens or 0))
                 continue
             rid = self.background.owner(out.request_id) or out.request_id
-            if rid != out.request_id and out.finished:
+            background = rid != out.request_id
+            if background and out.finished:
                 self.background.finished()
             live = self.live.get(rid)
             if live is None:  # aborted meanwhile (or a preempted background try)
@@ -392,6 +427,8 @@ class VllmEngine:
             comp = out.outputs[0]
             tokens = tuple(comp.token_ids)
             cached = self.stages.reported_hit(rid, int(out.num_cached_tokens or 0), out.finished)
+            if background:  # not what an earlier, preempted try of it left
+                cached = self.background.reported_hit(rid, cached, out.finished)
             if live.handoff is not None:
                 cached = live.handoff.num_cached_tokens
             reason = None
@@ -469,8 +506,8 @@ class VllmEngine:
         return checkpoint_position(self.computed_prompt_tokens(request, prefill_only), self.unit, False)
 
     def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
-        """The positions of ``checkpoint_plan``: each prefix's tail checkpoint."""
-        return tuple(p for p, _ in self.checkpoint_plan(request, prefill_only))
+        """The positions of ``checkpoint_plan`` past the hit: each prefix's tail checkpoint."""
+        return tuple(p for p, _ in self.checkpoint_plan(request, prefill_only, num_cached))
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)
