@@ -166,6 +166,7 @@ class LedgerEntry:
     last_use: float  # seconds, the caller's clock
     last_written: int  # the ledger's bytes written at that use
     hits: int = 0
+    speculative: bool = False  # a placed checkpoint no prefill reused yet
 
 
 class ValueLedger:
@@ -175,12 +176,17 @@ class ValueLedger:
     calls ``remove``); one thread at a time. ``now`` and ``last_use`` are on
     the caller's clock (the publisher: wall-clock seconds, since hits arrive
     from other machines); the turnover clock is ``written``, the bytes
-    ``add`` recorded."""
+    ``add`` recorded. Speculative objects (placed checkpoints no prefill reused
+    yet) hold at most ``speculative_share`` of the budget: past it the least
+    valuable of them go first."""
 
-    def __init__(self, budget_bytes: int, half_life_s: float, compute: ComputeModel) -> None:
-        if budget_bytes <= 0 or half_life_s <= 0:
-            raise ValueError("need budget_bytes > 0 and half_life_s > 0")
+    def __init__(
+        self, budget_bytes: int, half_life_s: float, compute: ComputeModel, speculative_share: float = 1.0
+    ) -> None:
+        if budget_bytes <= 0 or half_life_s <= 0 or not 0 < speculative_share <= 1:
+            raise ValueError("need budget_bytes > 0, half_life_s > 0 and 0 < speculative_share <= 1")
         self.budget_bytes = budget_bytes
+        self.speculative_budget = int(speculative_share * budget_bytes)
         self.half_life_s = half_life_s
         self.compute = compute
         self.entries: dict[BlockHash, LedgerEntry] = {}  # insertion order: oldest first
@@ -198,15 +204,21 @@ class ValueLedger:
         """Prompt tokens the held checkpoints restore (each counted at its position)."""
         return sum(e.position for e in self.entries.values())
 
-    def add(self, key: BlockHash, nbytes: int, position: int, now: float) -> None:
-        """Record an object put now (a re-put of a held key refreshes its last use)."""
+    @property
+    def speculative_bytes(self) -> int:
+        return sum(e.nbytes for e in self.entries.values() if e.speculative)
+
+    def add(self, key: BlockHash, nbytes: int, position: int, now: float, speculative: bool = False) -> None:
+        """Record an object put now (a re-put of a held key refreshes its last use;
+        it stays speculative only if both puts are)."""
         old = self.entries.get(key)
         if old is not None:
             self.nbytes += nbytes - old.nbytes
             old.nbytes, old.position = nbytes, position
+            old.speculative = old.speculative and speculative
             self._used(old, now)
         else:
-            self.entries[key] = LedgerEntry(nbytes, position, now, self.written)
+            self.entries[key] = LedgerEntry(nbytes, position, now, self.written, speculative=speculative)
             self.nbytes += nbytes
         self.written += nbytes
 
@@ -215,6 +227,7 @@ class ValueLedger:
         e = self.entries.get(key)
         if e is not None:
             e.hits += 1
+            e.speculative = False
             self._used(e, now)
 
     def observe(self, key: BlockHash, hits: int, last_hit: float) -> None:
@@ -224,6 +237,7 @@ class ValueLedger:
         e = self.entries.get(key)
         if e is not None and hits > e.hits:
             e.hits = hits
+            e.speculative = False
             self._used(e, last_hit)
 
     def _used(self, e: LedgerEntry, now: float) -> None:
@@ -240,19 +254,39 @@ class ValueLedger:
         turns = e.last_written / self.budget_bytes
         return value_rank(e.position, e.nbytes, e.hits, e.last_use, self.half_life_s, self.compute, turns)
 
-    def victims(self, need: int = 0, keep: Collection[BlockHash] = ()) -> list[BlockHash]:
+    def fits(self, need: int, speculative: bool = False) -> bool:
+        """Whether ``need`` more bytes (``speculative`` ones: also within their share) fit."""
+        if self.nbytes + need > self.budget_bytes:
+            return False
+        return not speculative or self.speculative_bytes + need <= self.speculative_budget
+
+    def victims(self, need: int = 0, keep: Collection[BlockHash] = (), speculative: bool = False) -> list[BlockHash]:
         """The least valuable held keys (lowest first, never one in ``keep``) whose
-        removal brings the bytes held plus ``need`` within the budget. ValueError if
-        no removal can (``need`` exceeds what the budget leaves beside ``keep``)."""
-        excess = self.nbytes + need - self.budget_bytes
-        if excess <= 0:
-            return []
+        removal brings the bytes held plus ``need`` within the budget; for a
+        ``speculative`` put first the least valuable speculative keys, until the
+        speculative bytes plus ``need`` fit their share. ValueError if no removal
+        can (``need`` exceeds what the budget, or the share, leaves beside ``keep``)."""
         out: list[BlockHash] = []
-        for key in sorted((k for k in self.entries if k not in keep), key=self.rank):  # stable: oldest first on ties
-            out.append(key)
-            excess -= self.entries[key].nbytes
+        order = sorted((k for k in self.entries if k not in keep), key=self.rank)  # stable: oldest first on ties
+        if speculative:
+            over = self.speculative_bytes + need - self.speculative_budget
+            for key in (k for k in order if self.entries[k].speculative):
+                if over <= 0:
+                    break
+                out.append(key)
+                over -= self.entries[key].nbytes
+            if over > 0:
+                raise ValueError(
+                    "%d bytes do not fit a speculative share of %d bytes" % (need, self.speculative_budget)
+                )
+        excess = self.nbytes - sum(self.entries[k].nbytes for k in out) + need - self.budget_bytes
+        for key in (k for k in order if k not in out):
             if excess <= 0:
                 return out
+            out.append(key)
+            excess -= self.entries[key].nbytes
+        if excess <= 0:
+            return out
         raise ValueError("%d bytes do not fit a budget of %d bytes" % (need, self.budget_bytes))
 
     def remove(self, keys: Iterable[BlockHash]) -> None:

@@ -72,6 +72,27 @@ class HybridPDConfig(BaseModel):
     max_extra_checkpoints: int = Field(
         4, ge=0, le=8, description="Extra checkpoints (junctions, message ends, client positions) per prefill."
     )
+    checkpoint_placement: Literal["value", "geometric", "interval", "off"] = Field(
+        "value",
+        description="Extra checkpoints along each prompt so a request that diverges from it first still hits"
+        " (native engine; the router places them, hybridpd/placement.py): value = the positions that maximise"
+        " the expected prefill FLOPs saved, from the divergences the router saw; geometric = the tail less 2u,"
+        " 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
+    )
+    placement_checkpoints: int = Field(
+        2, ge=0, le=8, description="Placed checkpoints per prefill (value, geometric), besides the others."
+    )
+    placement_interval: int = Field(
+        1024, ge=16, le=1 << 20, description="Interval of checkpoint_placement: interval, tokens."
+    )
+    placement_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of state_cache_mb and store_state_budget_mb that placed checkpoints no request"
+        " reused yet may hold; past it the least valuable of them is evicted first (0.5: the others keep at"
+        " least half).",
+    )
     state_cache_mb: float = Field(
         64.0, gt=0, le=1 << 20, description="Recurrent-state checkpoint memory per engine, MiB (native engine)."
     )
@@ -172,6 +193,12 @@ class HybridPDConfig(BaseModel):
                 "mamba_block_size",
                 "must be a multiple of prefix_match_unit (%d), got %d"
                 % (self.prefix_match_unit, self.mamba_block_size),
+            )
+        if self.placement_interval % self.prefix_match_unit != 0:
+            raise ConfigError(
+                "placement_interval",
+                "must be a multiple of prefix_match_unit (%d), got %d"
+                % (self.prefix_match_unit, self.placement_interval),
             )
         if self.device == "cuda" and self.actor_placement == "worker_groups" and self.actor_num_gpus == 0:
             raise ConfigError("actor_num_gpus", "must be > 0 when device is cuda on Ray worker groups")

@@ -81,6 +81,10 @@ class EngineRequest:
     #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``
     #: (the vLLM engine: ``checkpoints.staged_checkpoints``).
     checkpoints: tuple[int, ...] = ()
+    #: checkpoint positions the router placed along the prompt (``hybridpd/placement.py``):
+    #: snapshotted mid-chunk by the native engine, and held as speculative (``placement_share``)
+    #: until a request reuses them; the vLLM engine ignores them
+    placement: tuple[int, ...] = ()
     #: low priority: never holds up foreground work (answer checkpoints). The native
     #: engine runs it on the step budget and seats the others leave; vLLM only while
     #: no foreground request is live, aborted and re-queued when one arrives
@@ -133,6 +137,9 @@ class StateCheckpoint:
     meta: BufferMeta
     key: BlockHash | None
     buffers: tuple[torch.Tensor, ...]
+    #: a placed checkpoint (``EngineRequest.placement``): the store ledger holds it within
+    #: ``placement_share`` of its budget until a prefill reuses it
+    speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,6 +113,7 @@ class PrefillWorker(WorkerBase):
             state_budget_bytes=int(cfg.store_state_budget_mb * (1 << 20)),
             half_life_s=cfg.checkpoint_half_life_s,
             compute=self.engine.compute_model,
+            speculative_share=cfg.placement_share,
         )
         self.loop = EngineLoop(self.engine, after_step=lambda: self.publisher.collect(self.engine))
         self.answers = AnswerCheckpoints(

@@ -89,6 +89,7 @@ class CachePublisher:
         half_life_s: float = 1800.0,
         compute: ComputeModel = LINEAR_ONLY,
         clock: Callable[[], float] = time.time,
+        speculative_share: float = 1.0,
     ) -> None:
         self.instance = instance
         self.index = index
@@ -100,7 +101,7 @@ class CachePublisher:
         self.hasher = hasher
         #: wall-clock seconds for the ledger's ages (reuse times come from every instance); tests freeze it
         self.clock = clock
-        self.ledger = ValueLedger(state_budget_bytes, half_life_s, compute)
+        self.ledger = ValueLedger(state_budget_bytes, half_life_s, compute, speculative_share)
         self._ledger_lock = threading.Lock()  # written by the export thread, read by stats / metrics
         self._hits_read_at = -math.inf  # time.monotonic() of the last read of the index's counts
         self._events: deque[CacheEvent] = deque()
@@ -240,11 +241,14 @@ class CachePublisher:
                 raise UnavailableError("no MooncakeStore configured")
             key = st.key
             res = self.store.put_checkpoint(
-                kv, st, self.unit, make_room=None if key is None else lambda n: self._make_room(key, n)
+                kv,
+                st,
+                self.unit,
+                make_room=None if key is None else lambda n: self._make_room(key, n, st.speculative),
             )
             if key is not None:  # held from the put on, published or not
                 with self._ledger_lock:
-                    self.ledger.add(key, res.state_bytes, st.meta.position, self.clock())
+                    self.ledger.add(key, res.state_bytes, st.meta.position, self.clock(), st.speculative)
             with self._tag_lock:
                 answer = key is not None and self._answer_keys.pop(key, False)
             with self.stats_lock:
@@ -270,18 +274,21 @@ class CachePublisher:
                 self._answer_keys.pop(next(iter(self._answer_keys)))
 
     # -- the state budget ----------------------------------------------------------------
-    def _make_room(self, key: BlockHash, nbytes: int) -> None:
+    def _make_room(self, key: BlockHash, nbytes: int, speculative: bool = False) -> None:
         """Evict the least valuable state objects until ``nbytes`` more (for ``key``;
-        a re-put replaces its old bytes) fit the budget. Raises, and so skips the put,
-        when they cannot (larger than the budget; the index or the store failing)."""
+        a re-put replaces its old bytes) fit the budget (a ``speculative`` one, a
+        placed checkpoint: also their share, ``placement_share``). Raises, and so
+        skips the put, when they cannot (larger than the budget; the index or the
+        store failing)."""
         with self._ledger_lock:
             held = self.ledger.entries.get(key)
             need = nbytes - (held.nbytes if held is not None else 0)
-            if self.ledger.nbytes + need <= self.ledger.budget_bytes:
+            spec = speculative and (held is None or held.speculative)
+            if self.ledger.fits(need, spec):
                 return
         self._refresh_hits()
         with self._ledger_lock:
-            victims = self.ledger.victims(need, keep=(key,))
+            victims = self.ledger.victims(need, keep=(key,), speculative=spec)
         self._evict(victims)
 
     def _evict(self, victims: list[BlockHash]) -> None:

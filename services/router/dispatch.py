@@ -28,12 +28,13 @@ from typing import Any
 
 from ray.exceptions import RayActorError
 
-from hybridpd.checkpoints import merge_requested
+from hybridpd.checkpoints import merge_requested, requested_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.placement import DivergenceHistory, place
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
@@ -122,6 +123,8 @@ class Dispatcher:
         self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
         #: how far we routed each prefix before (the ``evicted`` outcome)
         self.seen_prefixes = SeenPrefixes()
+        #: how far routed prompts shared a prefix with earlier ones: the placement's prior
+        self.divergence = DivergenceHistory()
         #: prompt tokens a prefill does not compute: vLLM's P/D prefill stops one short (its
         #: NixlConnector truncates a hybrid model's prompt; ``VllmEngine.prefill_backoff``), so
         #: its hits and tail lie below ``N - 1`` and the lookup is capped as it is
@@ -153,11 +156,41 @@ class Dispatcher:
         among its checkpoint positions when it lies past the hit, so the second
         request to share a prefix leaves a checkpoint there for every later one
         (the engine rounds it down to a position it can write:
-        ``checkpoints.requested_checkpoints``)."""
-        if self.cfg.checkpoint_policy != "branch-aware" or route.known <= route.decision.expected_hit:
-            return req
-        merged = merge_requested(req.checkpoints, (route.known,), len(req.prompt_token_ids))
-        return req if merged == req.checkpoints else replace(req, checkpoints=merged)
+        ``checkpoints.requested_checkpoints``); and with the checkpoints
+        ``checkpoint_placement`` places along it for a request that will
+        diverge from it first (:meth:`_placement`)."""
+        n = len(req.prompt_token_ids)
+        if route.looked_up:
+            self.divergence.observe(n, route.known, self.cfg.prefix_match_unit)
+        if self.cfg.checkpoint_policy == "branch-aware" and route.known > route.decision.expected_hit:
+            merged = merge_requested(req.checkpoints, (route.known,), n)
+            req = req if merged == req.checkpoints else replace(req, checkpoints=merged)
+        placed = self._placement(req, route.decision.expected_hit)
+        return replace(req, placement=placed) if placed else req
+
+    def _placement(self, req: EngineRequest, hit: int) -> tuple[int, ...]:
+        """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's): the
+        native engine only (vLLM would pay a prefix prefill per position)."""
+        cfg = self.cfg
+        if cfg.engine != "native" or not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
+            return ()
+        n, u, b, a = len(req.prompt_token_ids), cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment
+        requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, cfg.eagle, cfg.max_extra_checkpoints)
+        placed = place(
+            cfg.checkpoint_placement,
+            n,
+            hit,
+            requested,
+            cfg.placement_checkpoints,
+            u,
+            b,
+            a,
+            cfg.eagle,
+            self.divergence,
+            interval=cfg.placement_interval,
+        )
+        self.metrics.placed_checkpoints.inc(len(placed))
+        return placed
 
     async def _lookup(self, req: EngineRequest) -> _Hits:
         """Hash the prompt and look it up: local hits (raised by RecentPrefills) and the store hit."""

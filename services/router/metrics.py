@@ -73,6 +73,12 @@ class RouterMetrics:
             " store connector's evictions are never reported).",
             registry=r,
         )
+        self.placed_checkpoints = Counter(
+            "hybridpd_placed_checkpoints",
+            "Checkpoint positions the router placed along prompts for a request that diverges from them first"
+            " (checkpoint_placement; the engine writes those it can).",
+            registry=r,
+        )
         self.answer_checkpoints = Counter(
             "hybridpd_answer_checkpoints_requested",
             "Chat answers sent to their prefill instance to become part of the cached prefix.",

@@ -148,8 +148,26 @@ def _route(hit: int, known: int) -> Route:
 
 def test_branch_aware_router_adds_the_junction_past_the_hit() -> None:
     req = EngineRequest(RequestId("r"), tuple(range(3, 303)), SamplingParams(), None, (40,))
-    d = _dispatcher()
+    d = _dispatcher(checkpoint_placement="off")
     assert d.with_junction(req, _route(64, 240)).checkpoints == (40, 240)
     assert d.with_junction(req, _route(64, 64)) is req  # nothing known past the hit
     assert d.with_junction(req, _route(0, 300)) is req  # the whole prompt: no junction inside it
-    assert _dispatcher(checkpoint_policy="tail-only").with_junction(req, _route(64, 240)) is req
+    tail_only = _dispatcher(checkpoint_policy="tail-only", checkpoint_placement="off")
+    assert tail_only.with_junction(req, _route(64, 240)) is req
+
+
+def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
+    """The default placement adds positions the engine can write: unit multiples past
+    the hit, below the tail, none of them the junction; off adds none, the vLLM engine
+    none; the divergences the router saw pull them towards the tail."""
+    req = EngineRequest(RequestId("r"), tuple(range(3, 1003)), SamplingParams())
+    d = _dispatcher()
+    out = d.with_junction(req, _route(64, 64))
+    assert out.checkpoints == () and 1 <= len(out.placement) <= 2
+    assert all(64 < p < 992 and p % 16 == 0 for p in out.placement)
+    for _ in range(50):  # prompts that left a known prefix 30 tokens before their end
+        d.divergence.observe(1000, 970, 16)
+    deep = d.with_junction(req, _route(64, 64)).placement
+    assert max(deep) == 960 and max(deep) > max(out.placement)  # the deepest state below 970
+    assert _dispatcher(checkpoint_placement="off").with_junction(req, _route(64, 64)) is req
+    assert _dispatcher(engine="vllm").with_junction(req, _route(64, 64)) is req

@@ -14,6 +14,7 @@ import torch
 from hybridpd.checkpoints import checkpoint_position
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.hashing import BlockHash
+from hybridpd.placement import placed_checkpoints
 from tests.unit.engine_helpers import (
     BLOCKS,
     assert_no_leaks,
@@ -237,4 +238,51 @@ def test_extra_checkpoint_in_initial_state_column_not_promised() -> None:
     got = _run(eng, "c", later)
     assert got[2] == 32
     _same(got, _no_cache(later, False))
+    assert_no_leaks(eng)
+
+
+# -- placed checkpoints (EngineRequest.placement) ------------------------------------------------
+
+
+def _steps(eng, rid: str, toks, placement=()) -> int:  # type: ignore[no-untyped-def]
+    eng.add_request(dataclasses.replace(req(rid, toks, 2), placement=tuple(placement)))
+    n = 0
+    while eng.has_work():
+        eng.step()
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize(
+    ("eagle", "budget", "block"),
+    [(eagle, budget, block) for block in BLOCKS for eagle, budget in ((False, 4096), (False, 48), (True, 4096))],
+    ids=["4096-B64", "48-B64", "eagle-4096-B64", "4096-Bu", "48-Bu", "eagle-4096-Bu"],
+)
+def test_placed_checkpoints_are_exact_add_no_step_and_hit(eagle: bool, budget: int, block: int | None) -> None:
+    """Eight placed positions of a 300-token prompt (and two it cannot write: off a
+    unit, past the tail) are snapshotted mid-chunk: the same steps as without them,
+    exported speculative, and a request sharing [0, S) for several S hits the deepest
+    one at or below S (one unit lower with EAGLE) with outputs equal to a no-cache run."""
+    u = 16
+    base = prompt(300, 31)
+    placed = (32, 64, 96, 128, 160, 192, 224, 256)
+    kw = dict(eagle=eagle, max_num_batched_tokens=budget, mamba_block_size=block)
+    plain = make_engine(**kw)
+    eng = make_engine(export_checkpoints=True, record_logits=True, **kw)
+    assert _steps(eng, "steps", base, (*placed, 40, 296)) == _steps(plain, "steps", base)
+    exported = eng.pop_exports()
+    tail = checkpoint_position(300, u, eagle)
+    b = eng.scheduler.cfg.mamba_block_size
+    writable = placed_checkpoints((*placed, 40, 296), 0, 300, u, b, 16, eagle, (tail,))
+    assert 40 not in writable and 296 not in writable and len(writable) >= 7
+    got_positions = [st.meta.position for _, st in exported]
+    assert got_positions == [*writable, tail]
+    assert [st.speculative for _, st in exported] == [True] * len(writable) + [False]
+    assert eng.cache.state_cache.num_speculative == len(writable)
+    for i, shared in enumerate((100, 170, 250)):
+        branch = base[:shared] + prompt(60, 40 + i)
+        got = _run(eng, "branch%d" % i, branch)
+        usable = max(p for p in got_positions if p <= shared - (u if eagle else 0))
+        assert got[2] == usable
+        _same(got, _no_cache(branch, eagle))
     assert_no_leaks(eng)

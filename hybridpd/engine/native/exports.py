@@ -49,12 +49,14 @@ def import_kv(
         AttentionLayer.write(v_cache, block_table, first_token, v[first_token:])
 
 
-def export_state(model_id: str, states: Sequence[DeltaState], position: int, key: BlockHash | None) -> StateCheckpoint:
+def export_state(
+    model_id: str, states: Sequence[DeltaState], position: int, key: BlockHash | None, speculative: bool = False
+) -> StateCheckpoint:
     bufs: list[torch.Tensor] = []
     for st in states:
         bufs.append(st.conv.contiguous().clone())
         bufs.append(st.ssm.contiguous().clone())
-    return StateCheckpoint(_meta(model_id, "state", position, bufs, "delta"), key, tuple(bufs))
+    return StateCheckpoint(_meta(model_id, "state", position, bufs, "delta"), key, tuple(bufs), speculative)
 
 
 def import_state(state: StateCheckpoint, device: torch.device) -> list[DeltaState]:

@@ -119,8 +119,7 @@ class ModelRunner:
             if sw.decode:
                 work = Work(torch.tensor([seq.token_ids[-1], *d]), start, seq.block_ids, t.delta, True)
             else:
-                cp = seq.checkpoint_pos
-                snap = frozenset({cp}) if cp is not None and start < cp <= start + sw.num_tokens else frozenset()
+                snap = frozenset(p for p in seq.snapshot_at if start < p <= start + sw.num_tokens)
                 tokens = seq.token_ids[start : start + sw.num_tokens]
                 work = Work(torch.tensor(tokens), start, seq.block_ids, t.delta, False, snap)
             rows.append(StepRow(work, d, dp))

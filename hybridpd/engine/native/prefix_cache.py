@@ -54,6 +54,7 @@ class PrefixCache:
         enabled: bool,
         export_checkpoints: bool,
         half_life_s: float = 1800.0,
+        placement_share: float = 0.5,
     ) -> None:
         self.runner = runner
         self.model_id = model_id
@@ -72,6 +73,7 @@ class PrefixCache:
             runner.device,
             self.events.sink(CacheGroup.STATE),
             half_life_s=half_life_s,
+            speculative_share=placement_share,
         )
         self.state_pool = self.state_cache.pool
         self.exports: list[tuple[KVExport, StateCheckpoint]] = []
@@ -112,9 +114,11 @@ class PrefixCache:
             logger.debug(
                 "%s: slot column %d re-keyed from state@%d to state@%d", seq.rid, col, natural_position(col, b), pos
             )
-        self.state_cache.store(key, states, pos)
+        placed = pos in seq.placed  # speculative until a restore reads it
+        self.state_cache.store(key, states, pos, speculative=placed)
         if self.export_checkpoints:
-            self.pending_exports.setdefault(seq.rid, []).append(exports.export_state(self.model_id, states, pos, key))
+            state = exports.export_state(self.model_id, states, pos, key, speculative=placed)
+            self.pending_exports.setdefault(seq.rid, []).append(state)
 
     def drop(self, rid: str) -> None:
         """Forget what a finished (or aborted) request left pending."""

@@ -25,7 +25,11 @@ the checkpoints this prefill snapshots: the tail (``checkpoints.planned_checkpoi
 and the extra positions the request names (``EngineRequest.checkpoints``, made
 positions by ``checkpoints.requested_checkpoints``). A chunk snapshots at most
 one of them: a chunk that would contain two ends at the first (a multiple of
-16 like every chunk end, so the arithmetic is unchanged).
+16 like every chunk end, so the arithmetic is unchanged). The positions the
+router placed (``EngineRequest.placement``, kept by
+``placement.placed_checkpoints``) are snapshotted mid-chunk, any number per
+chunk (the native kernel holds the state at every multiple of 16 of a chunk):
+they never add a step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from hybridpd.engine.base import EngineRequest
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.model_config import KERNEL_CHUNK
 from hybridpd.hashing import BlockHash
+from hybridpd.placement import placed_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +74,11 @@ class Sequence:
     checkpoints: tuple[int, ...] = ()
     #: the tail among them (None: the tail is not valid for this prefill)
     tail_checkpoint: int | None = None
-    #: the one the chunk scheduled last snapshots (``ModelRunner.execute`` reads it)
-    checkpoint_pos: int | None = None
+    #: the router's placed positions this prefill writes (``placement.placed_checkpoints``):
+    #: snapshotted mid-chunk, never a chunk end of their own
+    placed: tuple[int, ...] = ()
+    #: the positions the chunk scheduled last snapshots (``ModelRunner.execute`` reads them)
+    snapshot_at: frozenset[int] = frozenset()
     restore_slot: int | None = None
 
     @property
@@ -191,7 +199,8 @@ class Scheduler:
             # NOTE: one snapshot per chunk: end it at the first (start and due[0]
             # are both hit + multiples of 16, so the chunk stays kernel-aligned)
             n = due[0] - start
-        seq.checkpoint_pos = due[0] if due else None
+        placed = [p for p in seq.placed if start < p <= start + n]
+        seq.snapshot_at = frozenset(due[:1] + placed)
         return n
 
     def hit_length(self, seq: Sequence) -> int:
@@ -224,7 +233,15 @@ class Scheduler:
             extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, cfg.eagle, cfg.max_extra)
             seq.tail_checkpoint = tail
             seq.checkpoints = extra + (() if tail is None else (tail,))
-        logger.debug("admit %s: prompt %d, hit %d, checkpoints %s", seq.rid, seq.num_prompt, hit, seq.checkpoints)
+            seq.placed = placed_checkpoints(seq.request.placement, hit, n, cfg.unit, b, a, cfg.eagle, seq.checkpoints)
+        logger.debug(
+            "admit %s: prompt %d, hit %d, checkpoints %s, placed %s",
+            seq.rid,
+            seq.num_prompt,
+            hit,
+            seq.checkpoints,
+            seq.placed,
+        )
         return True
 
     def admit_handoff(self, seq: Sequence) -> bool:

@@ -23,6 +23,13 @@ lowest ``value_rank`` (ties: the oldest in the free queue). Every slot holds
 the same bytes (``slot_bytes``), so this compares saved FLOPs, reuse and age.
 The pool still emits REMOVED for the evicted key. Size: ``slots_for`` a MiB
 budget (``state_cache_mb``), at least ``MIN_SLOTS``.
+
+Placed checkpoints (``hybridpd/placement.py``) are stored *speculative*: until
+a restore reads them (or a non-speculative store of the same key) they may
+hold at most ``max_speculative`` slots (``placement_share`` of them). A
+speculative store past that evicts the least valuable speculative slot, or is
+skipped when it is worth less than every one of them: a workload that never
+reuses placed checkpoints keeps at least the other share for the rest.
 """
 
 from __future__ import annotations
@@ -67,6 +74,7 @@ class StateCache:
         *,
         half_life_s: float = 1800.0,
         clock: Callable[[], float] = time.monotonic,
+        speculative_share: float = 0.5,
     ) -> None:
         m = mcfg
         self.num_delta_layers = num_delta_layers
@@ -82,6 +90,9 @@ class StateCache:
         self.last_use = [0.0] * num_slots
         self.last_writes = [0] * num_slots
         self.rank = [-math.inf] * num_slots
+        self.speculative = [False] * num_slots  # meaningful while cached
+        self.max_speculative = max(1, int(speculative_share * num_slots))
+        self._evict_speculative = False  # _victim: take the least valuable speculative slot
         # NOTE: delta states are fp32 in every engine dtype (delta.DeltaState)
         self.conv = torch.zeros(
             num_slots, num_delta_layers, m.conv_kernel - 1, m.conv_dim, dtype=torch.float32, device=device
@@ -99,22 +110,36 @@ class StateCache:
     def lookup(self, key: BlockHash) -> int | None:
         return self.pool.lookup(key)
 
-    def store(self, key: BlockHash, states: Sequence[DeltaState], position: int) -> bool:
+    def store(self, key: BlockHash, states: Sequence[DeltaState], position: int, speculative: bool = False) -> bool:
         """Cache ``states`` (one per delta layer, after ``position`` tokens) under
-        ``key``, evicting the least valuable free slot if none is empty. True when
-        ``key`` is cached afterwards (already was: its last use is refreshed, or
-        written now); False when no slot is free (every slot is being restored:
-        nothing is evicted for it)."""
+        ``key``, evicting the least valuable free slot if none is empty (a
+        ``speculative`` one past ``max_speculative``: the least valuable
+        speculative slot). True when ``key`` is cached afterwards (already was:
+        its last use is refreshed, or written now); False when no slot is free
+        (every slot is being restored: nothing is evicted for it) or a
+        speculative store is worth less than every speculative slot held."""
         if len(states) != self.num_delta_layers:
             raise ValueError("expected %d delta states, got %d" % (self.num_delta_layers, len(states)))
         held = self.pool.lookup(key)
         if held is not None:
+            self.speculative[held] = self.speculative[held] and speculative
             self._used(held)
             return True
-        got = self.pool.allocate(1)
+        if speculative and self.num_speculative >= self.max_speculative:
+            turns = self.writes / self.pool.num_slots
+            mine = value_rank(position, self.slot_bytes, 0, self.clock(), self.half_life_s, self.compute, turns)
+            held_ranks = [self.rank[s] for s in self._speculative_slots() if s in self.pool.free_queue]
+            if not held_ranks or mine <= min(held_ranks):
+                return False
+            self._evict_speculative = True
+        try:
+            got = self.pool.allocate(1)
+        finally:
+            self._evict_speculative = False
         if got is None:
             return False
         slot = got[0]
+        self.speculative[slot] = speculative
         for i, st in enumerate(states):
             self.conv[slot, i] = st.conv
             self.ssm[slot, i] = st.ssm
@@ -131,6 +156,7 @@ class StateCache:
         prefill, whose own checkpoint supersedes this one)."""
         if hit:
             self.hits[slot] += 1
+            self.speculative[slot] = False
         self._used(slot)
         return [DeltaState(self.conv[slot, i].clone(), self.ssm[slot, i].clone()) for i in range(self.num_delta_layers)]
 
@@ -147,8 +173,23 @@ class StateCache:
         turns = self.writes / self.pool.num_slots
         self.rank[slot] = value_rank(pos, nbytes, hits, self.last_use[slot], self.half_life_s, self.compute, turns)
 
+    @property
+    def num_speculative(self) -> int:
+        """Cached slots no restore has read yet that a placed checkpoint wrote."""
+        return len(self._speculative_slots())
+
+    def _speculative_slots(self) -> list[int]:
+        hash_of = self.pool.hash_of
+        return [s for s in range(self.pool.num_slots) if self.speculative[s] and hash_of[s] is not None]
+
     def _victim(self, free: Iterable[int]) -> int:
         """The free slot to take: an uncached one, else the lowest rank (the
-        first, i.e. oldest, among equals). O(free slots) per eviction."""
+        first, i.e. oldest, among equals); storing a speculative checkpoint past
+        ``max_speculative``: the lowest-rank speculative one. O(free slots) per
+        eviction."""
         hash_of, rank = self.pool.hash_of, self.rank
+        if self._evict_speculative:
+            spec = [s for s in free if hash_of[s] is not None and self.speculative[s]]
+            if spec:
+                return min(spec, key=lambda s: rank[s])
         return min(free, key=lambda s: -math.inf if hash_of[s] is None else rank[s])

@@ -1,0 +1,280 @@
+"""Checkpoint placement: extra state checkpoints along a prompt, chosen by value.
+
+Tensor-free; the router places (``services/router/dispatch.py``), the native
+engine snapshots (``EngineRequest.placement``), ``bench/placement.py`` replays.
+docs/DESIGN.md, "Checkpoint placement", gives the reasoning.
+
+A prompt's tail, junction and message-boundary checkpoints serve the requests
+that share ALL of it, or a prefix the index already saw diverge. The *second*
+request to share a prefix of a prompt diverges somewhere nobody has seen yet:
+it finds no state unless the first prefill left one not far before that point.
+Placement leaves ``count`` more checkpoints, where they are expected to save
+the most prefill compute:
+
+    E[saved] = sum over divergence depths D of  P(D) * F(best(D))
+
+    D        the prefix length a future request shares with this prompt, less
+             EAGLE's replayed unit (the deepest state it could restore)
+    best(D)  the deepest checkpoint at or below D (the hit, the tail, the
+             requested positions and the placed ones; 0 if none)
+    F(p)     the FLOPs a hit at p saves (``checkpoint_value.ComputeModel``)
+
+Every checkpoint costs the same bytes (one state), so at a fixed count this is
+the saved compute per state byte. ``P(D)`` comes from what the router saw:
+the suffix lengths ``q = N' - known'`` of earlier prompts (``known'``: how far
+their KV was cached anywhere, i.e. where they left every known prefix), as
+``D = N - q``, mixed with a scale-free prior (``q`` log-uniform on
+``[unit, N]``) that dominates while few were seen (:class:`DivergenceHistory`).
+
+:func:`value_positions` solves the choice exactly (the dynamic program of
+Sparse Prefix Caching, arXiv 2605.05219, over the candidate positions);
+:func:`geometric_positions` is the simple rule it is compared with (the tail
+less ``2u, 4u, 8u, ...``: dense near the tail, where chat, RAG and agent
+prompts diverge); :func:`interval_positions` is vLLM's fixed retention
+interval. The candidates are the positions the engine can write past the hit
+(``checkpoints.is_extra_checkpoint_valid``, the alignment), below the tail.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+
+import numpy as np
+
+from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel
+from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid
+
+#: placement policies (``checkpoint_placement``)
+PLACEMENTS = ("value", "geometric", "interval", "off")
+#: the most candidate positions the dynamic program weighs (a longer prompt's are thinned evenly)
+MAX_CANDIDATES = 192
+#: the most placed checkpoints one prefill writes
+MAX_PLACED = 8
+#: suffix lengths the router remembers
+HISTORY = 512
+#: pseudo-observations of the scale-free prior (its weight is PRIOR_WEIGHT / (PRIOR_WEIGHT + seen))
+PRIOR_WEIGHT = 4.0
+
+
+class DivergenceHistory:
+    """The suffix lengths ``q = N - known`` of the last :data:`HISTORY` prompts
+    that shared a prefix with an earlier one (``known >= unit``). One writer
+    (the router's event loop)."""
+
+    def __init__(self, size: int = HISTORY) -> None:
+        self.suffixes: deque[int] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self.suffixes)
+
+    def observe(self, num_tokens: int, known: int, unit: int) -> None:
+        if known >= unit and num_tokens > known:
+            self.suffixes.append(num_tokens - known)
+
+    def depth_cdf(self, num_tokens: int, drop: int, unit: int, xs: np.ndarray) -> np.ndarray:
+        """``P(D < x)`` for each ``x`` in ``xs``: the mixture of the seen suffixes
+        and the log-uniform prior, for a prompt of ``num_tokens``."""
+        n = num_tokens
+        seen = len(self.suffixes)
+        lam = PRIOR_WEIGHT / (PRIOR_WEIGHT + seen)
+        # prior: q log-uniform on [unit, n]; D = n - q - drop < x  <=>  q > n - drop - x
+        t = np.clip(n - drop - xs, unit, n).astype(np.float64)
+        span = math.log(max(n, unit + 1) / unit)
+        prior = 1.0 - np.log(t / unit) / span
+        prior = np.where(n - drop - xs < unit, 1.0, prior)
+        if not seen:
+            return prior
+        depths = np.sort(n - drop - np.asarray(self.suffixes, dtype=np.int64))
+        emp = np.searchsorted(depths, xs, side="left") / seen
+        return lam * prior + (1.0 - lam) * emp
+
+
+def candidates(
+    hit: int, num_tokens: int, unit: int, mamba_block_size: int, alignment: int | None, drop_eagle_block: bool
+) -> list[int]:
+    """The positions a prefill of ``[hit, num_tokens)`` can write an extra
+    checkpoint at, ascending: unit multiples, ``hit + k * a``, valid extras
+    (``is_extra_checkpoint_valid``), below the tail
+    (``checkpoint_position``). At most :data:`MAX_CANDIDATES`, thinned evenly
+    (the deepest kept)."""
+    if alignment is None:
+        return []
+    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    step = alignment * unit // math.gcd(alignment, unit)
+    out = [
+        p
+        for p in range(hit + step, tail, step)
+        if is_extra_checkpoint_valid(hit, num_tokens, p, unit, mamba_block_size, alignment)
+    ]
+    if len(out) > MAX_CANDIDATES:
+        stride = len(out) / MAX_CANDIDATES
+        out = [out[len(out) - 1 - int(i * stride)] for i in range(MAX_CANDIDATES)][::-1]
+    return out
+
+
+def value_positions(
+    cands: Sequence[int],
+    fixed: Iterable[int],
+    count: int,
+    cdf: Callable[[np.ndarray], np.ndarray],
+    compute: ComputeModel = LINEAR_ONLY,
+) -> tuple[int, ...]:
+    """The at most ``count`` positions of ``cands`` that maximise the expected
+    saved FLOPs, given the checkpoints in ``fixed`` (the hit, the tail,
+    requested ones) and ``cdf`` (``P(D < x)`` for an array of positions).
+
+    Exact: a dynamic program over the sorted points ``p_0 < ... < p_m-1``
+    (candidates and fixed): every fixed point is chosen; a chosen point saves
+    ``F(p_i) * P(p_i <= D < p_next)`` up to the next chosen one (the highest:
+    to infinity); below the lowest nothing is saved. ``best[k, i]``: the most
+    the chosen points below ``p_i`` save when ``p_i`` is chosen and ``k``
+    candidates are chosen up to it. ``O(count * m**2)`` in numpy rows.
+
+    One placement over ``D`` in ``[32, 48)`` (0.9) or beyond (0.1): 32 saves
+    ``32 * 1.0``, 48 only ``48 * 0.1``:
+
+    >>> cdf = lambda xs: np.interp(xs, [0, 32, 48, 64], [0, 0, 0.9, 0.9])
+    >>> value_positions([16, 32, 48], [0], 1, cdf)
+    (32,)
+    """
+    fx = set(fixed) - set(cands)
+    points = sorted({*cands, *fx})
+    if count <= 0 or not cands:
+        return ()
+    m = len(points)
+    xs = np.asarray(points, dtype=np.float64)
+    c = np.append(np.asarray(cdf(xs), dtype=np.float64), 1.0)  # c[m] = P(D < infinity)
+    f = np.array([compute.prefix_flops(p) for p in points])
+    is_fixed = [p in fx for p in points]
+    fixed_idx = [i for i in range(m) if is_fixed[i]]
+    lowest_fixed = fixed_idx[0] if fixed_idx else m
+    best = np.full((count + 1, m), -np.inf)
+    back = np.full((count + 1, m), -1, dtype=np.int64)
+    prev_fixed = -1
+    for i in range(m):
+        k0 = 0 if is_fixed[i] else 1
+        if i <= lowest_fixed:  # p_i may be the lowest chosen point
+            best[k0, i] = 0.0
+        lo = max(prev_fixed, 0)  # the previous chosen point: no fixed point skipped
+        if i > lo:
+            gain = f[lo:i] * (c[i] - c[lo:i])
+            for k in range(k0, count + 1):
+                row = best[k - k0, lo:i] + gain
+                j = int(np.argmax(row))
+                if row[j] > best[k, i]:
+                    best[k, i], back[k, i] = row[j], lo + j
+        if is_fixed[i]:
+            prev_fixed = i
+    total = best + (f * (1.0 - c[:m]))[None, :]
+    if fixed_idx:
+        total[:, : fixed_idx[-1]] = -np.inf  # the highest chosen point lies at or above every fixed one
+    k, i = (int(v) for v in np.unravel_index(int(np.argmax(total)), total.shape))
+    chosen: list[int] = []
+    while i >= 0:
+        if not is_fixed[i]:
+            chosen.append(points[i])
+        k, i = k - (0 if is_fixed[i] else 1), int(back[k, i])
+    return tuple(sorted(chosen))
+
+
+def geometric_positions(cands: Sequence[int], tail: int, count: int, unit: int) -> tuple[int, ...]:
+    """The simple rule: for ``k = 1..count`` the deepest candidate at or below
+    ``tail - 2**k * unit`` (distinct).
+
+    >>> geometric_positions(list(range(16, 400, 16)), 400, 3, 16)
+    (272, 336, 368)
+    """
+    out: set[int] = set()
+    for k in range(1, count + 1):
+        i = bisect.bisect_right(cands, tail - (2**k) * unit) - 1
+        if i >= 0:
+            out.add(cands[i])
+    return tuple(sorted(out))
+
+
+def interval_positions(cands: Sequence[int], interval: int) -> tuple[int, ...]:
+    """vLLM-style: every candidate that is a multiple of ``interval``.
+
+    >>> interval_positions(list(range(16, 200, 16)), 64)
+    (64, 128, 192)
+    """
+    return tuple(p for p in cands if interval > 0 and p % interval == 0)
+
+
+def place(
+    policy: str,
+    num_tokens: int,
+    hit: int,
+    fixed: Iterable[int],
+    count: int,
+    unit: int,
+    mamba_block_size: int,
+    alignment: int | None,
+    drop_eagle_block: bool,
+    history: DivergenceHistory | None = None,
+    compute: ComputeModel = LINEAR_ONLY,
+    interval: int = 0,
+) -> tuple[int, ...]:
+    """The positions ``policy`` (:data:`PLACEMENTS`) places for a prefill of
+    ``[hit, num_tokens)`` that writes the checkpoints in ``fixed`` anyway
+    (requested positions; the hit and the tail are added here), ascending, at
+    most ``count`` (``interval``: every multiple, at most :data:`MAX_PLACED`,
+    the deepest). Each is a
+    position the engine can write (:func:`candidates`)."""
+    if policy not in PLACEMENTS:
+        raise ValueError("unknown placement %r (have %s)" % (policy, ", ".join(PLACEMENTS)))
+    if policy == "off" or (count <= 0 and policy != "interval"):
+        return ()
+    cands = candidates(hit, num_tokens, unit, mamba_block_size, alignment, drop_eagle_block)
+    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    taken = set(fixed)
+    free = [p for p in cands if p not in taken]
+    if policy == "interval":
+        return interval_positions(free, interval)[-MAX_PLACED:]
+    if policy == "geometric":
+        return geometric_positions(free, tail, count, unit)
+    hist = history if history is not None else DivergenceHistory()
+    drop = unit if drop_eagle_block else 0
+
+    def cdf(xs: np.ndarray) -> np.ndarray:
+        return hist.depth_cdf(num_tokens, drop, unit, xs)
+
+    return value_positions(free, {hit, tail, *taken}, count, cdf, compute)
+
+
+def placed_checkpoints(
+    placement: Iterable[int],
+    hit: int,
+    num_tokens: int,
+    unit: int,
+    mamba_block_size: int,
+    alignment: int | None,
+    drop_eagle_block: bool,
+    exclude: Iterable[int] = (),
+) -> tuple[int, ...]:
+    """The positions of ``placement`` (the router's, from a lookup that may
+    have expected another hit) a prefill of ``[hit, num_tokens)`` writes:
+    those the engine can write (unit multiples, ``hit + k * a``, valid extras
+    below the tail), not in ``exclude`` (its other checkpoints), ascending, at
+    most :data:`MAX_PLACED` (the deepest).
+
+    >>> placed_checkpoints([40, 64, 96, 112, 200], 32, 120, 16, 16, 16, False)
+    (64, 96)
+    """
+    if alignment is None:
+        return ()
+    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    skip = set(exclude)
+    kept = {
+        p
+        for p in placement
+        if p % unit == 0
+        and (p - hit) % alignment == 0
+        and p < tail
+        and p not in skip
+        and is_extra_checkpoint_valid(hit, num_tokens, p, unit, mamba_block_size, alignment)
+    }
+    return tuple(sorted(kept)[-MAX_PLACED:])

@@ -1,0 +1,145 @@
+"""Checkpoint placement (#27): the dynamic program is exact (brute force on random
+instances), the prior and the seen divergences shape it, every placed position is
+one the engine can write, and placed checkpoints stay within their share of the
+local state cache and of the store ledger."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ValueLedger
+from hybridpd.checkpoints import is_extra_checkpoint_valid
+from hybridpd.engine.native.delta import DeltaState
+from hybridpd.engine.native.model_config import HybridModelConfig
+from hybridpd.engine.native.state_cache import StateCache
+from hybridpd.hashing import BlockHash
+from hybridpd.placement import (
+    DivergenceHistory,
+    candidates,
+    geometric_positions,
+    interval_positions,
+    place,
+    placed_checkpoints,
+    value_positions,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def _saved(chosen, fixed, depths, compute) -> float:  # type: ignore[no-untyped-def]
+    points = sorted({*chosen, *fixed})
+    return sum(compute.prefix_flops(max((p for p in points if p <= d), default=0)) for d in depths)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_dynamic_program_matches_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(60):
+        cands = sorted(rng.sample(range(16, 480, 16), rng.randint(1, 8)))
+        fixed = set(rng.sample(range(0, 496, 16), rng.randint(0, 3))) - set(cands)
+        count = rng.randint(0, 4)
+        depths = [rng.uniform(0, 520) for _ in range(rng.randint(1, 8))]
+        compute = ComputeModel(1.0, rng.choice([0.0, 0.02]))
+
+        def cdf(xs: np.ndarray, depths: list[float] = depths) -> np.ndarray:
+            return np.array([np.mean([d < x for d in depths]) for x in xs])
+
+        got = value_positions(cands, fixed, count, cdf, compute)
+        assert len(got) <= count and set(got) <= set(cands)
+        best = max(
+            _saved(c, fixed, depths, compute) for k in range(count + 1) for c in itertools.combinations(cands, k)
+        )
+        assert _saved(got, fixed, depths, compute) == pytest.approx(best, rel=1e-12)
+
+
+def test_the_prior_alone_places_along_the_prompt_and_seen_divergences_pull_to_them() -> None:
+    h = DivergenceHistory()
+    xs = np.arange(0, 2001, 16, dtype=np.float64)
+    cdf = h.depth_cdf(2000, 0, 16, xs)
+    assert cdf[0] == 0.0 and np.all(np.diff(cdf) >= 0) and cdf[-1] == 1.0
+    prior = place("value", 2000, 0, (), 2, 16, 16, 16, False, h)
+    assert len(prior) == 2 and all(0 < p < 1984 for p in prior)
+    for _ in range(40):
+        h.observe(3000, 2965, 16)  # suffixes of 35 tokens
+    h.observe(3000, 8, 16)  # below a unit: no divergence seen
+    assert len(h) == 40
+    seen = place("value", 2000, 0, (), 2, 16, 16, 16, False, h)
+    assert max(seen) == 1952 > max(prior)  # the deepest state at or below 2000 - 35
+
+
+def test_every_placed_position_is_one_the_engine_writes() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        n, hit = rng.randint(20, 3000), rng.choice([0, 16, 64, 128])
+        b, a, eagle = rng.choice([16, 64]), rng.choice([16, 32]), rng.random() < 0.5
+        for policy in ("value", "geometric", "interval"):
+            got = place(policy, n, hit, (), 4, 16, b, a, eagle, interval=256)
+            assert placed_checkpoints(got, hit, n, 16, b, a, eagle) == got
+            assert all(is_extra_checkpoint_valid(hit, n, p, 16, b, a) for p in got)
+
+
+def test_simple_rules_and_bad_policy() -> None:
+    cands = candidates(0, 1000, 16, 16, 16, False)
+    assert cands[0] == 16 and cands[-1] == 976 and len(cands) == 61
+    assert geometric_positions(cands, 992, 3, 16) == (864, 928, 960)
+    assert interval_positions(cands, 256) == (256, 512, 768)
+    assert place("off", 1000, 0, (), 4, 16, 16, 16, False) == ()
+    assert place("value", 1000, 0, (), 4, 16, 16, None, False) == ()  # the kernel cannot export
+    with pytest.raises(ValueError, match="unknown placement"):
+        place("everywhere", 1000, 0, (), 4, 16, 16, 16, False)
+    assert len(candidates(0, 100_000, 16, 16, 16, False)) == 192  # thinned, deepest kept
+    assert candidates(0, 100_000, 16, 16, 16, False)[-1] == 99_968
+
+
+# -- the share placed checkpoints may hold --------------------------------------------------------
+MCFG = HybridModelConfig(num_layers=4)
+
+
+def _h(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+def _states() -> list[DeltaState]:
+    conv = torch.zeros(MCFG.conv_kernel - 1, MCFG.conv_dim)
+    ssm = torch.zeros(MCFG.delta_heads, MCFG.delta_key_dim, MCFG.delta_value_dim)
+    return [DeltaState(conv.clone(), ssm.clone()) for _ in range(3)]
+
+
+def test_the_state_cache_holds_placed_checkpoints_within_their_share() -> None:
+    """8 slots, share 0.5: at most 4 speculative; a fifth evicts the least valuable
+    speculative one (never a tail), or is skipped when worth less than all of them;
+    a restore makes one an ordinary checkpoint."""
+    sc = StateCache(8, 3, MCFG, torch.device("cpu"), speculative_share=0.5, clock=lambda: 0.0)
+    assert sc.max_speculative == 4
+    for i in range(4):
+        assert sc.store(_h(i), _states(), 1000 + 16 * i, speculative=True)
+    assert sc.store(_h(100), _states(), 64)  # a tail: ordinary, in an empty slot
+    assert sc.num_speculative == 4
+    assert sc.store(_h(4), _states(), 2000, speculative=True)  # evicts the least valuable: position 1000
+    assert sc.lookup(_h(0)) is None and sc.lookup(_h(100)) is not None and sc.num_speculative == 4
+    assert not sc.store(_h(5), _states(), 32, speculative=True)  # worth less than every speculative one
+    slot = sc.lookup(_h(1))
+    assert slot is not None
+    sc.read(slot)
+    assert sc.num_speculative == 3 and sc.store(_h(6), _states(), 32, speculative=True)
+    assert sc.pool.num_cached == 6  # 4 speculative, the reused one, the tail: two slots still empty
+    sc.pool.check_consistent()
+
+
+def test_the_store_ledger_evicts_speculative_objects_first_within_their_share() -> None:
+    led = ValueLedger(1000, 1800.0, LINEAR_ONLY, speculative_share=0.5)
+    led.add(_h(1), 100, 500, 0.0)
+    led.add(_h(2), 200, 900, 0.0, speculative=True)
+    led.add(_h(3), 200, 500, 0.0, speculative=True)
+    assert led.speculative_bytes == 400 and not led.fits(200, speculative=True) and led.fits(200)
+    assert led.victims(200, speculative=True) == [_h(3)]  # the lower of the two, not the ordinary one
+    led.hit(_h(2), 1.0)
+    assert led.speculative_bytes == 200 and led.fits(200, speculative=True)
+    assert led.victims(800) == [_h(3), _h(1)]  # over the whole budget: by value, kinds alike
+    with pytest.raises(ValueError, match="speculative share"):
+        led.victims(600, speculative=True)
