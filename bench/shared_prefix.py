@@ -9,7 +9,11 @@ with chat prompts (``/v1/chat/completions``), all requests one after another:
   fork; a child is its parent's prompt + a made-up answer to it + its own
   message, so siblings share their parent's answer too (past its tail);
 * ``multiturn``: the first K conversations of ``fanout`` continue for T turns
-  (a made-up answer + a new message each), interleaved turn by turn.
+  (a made-up answer + a new message each), interleaved turn by turn;
+* ``twosharer``: RAG-style pairs: a short header shared by every pair, then
+  each pair's own document of random length (``doc_min_tokens`` to ``doc_max_tokens``), then each
+  request's own question: a document is shared by exactly two requests, and
+  the second finds only what the first left along its prompt.
 
 The ideal of a request is the longest token prefix it shares with any earlier
 request of the same run (all phases; each is sent after the earlier ones
@@ -37,7 +41,7 @@ from typing import Any
 Messages = tuple[tuple[str, str], ...]  # (role, content) pairs
 ChatEncoder = Callable[[Messages], list[int]]
 
-PHASES = ("fanout", "tree", "multiturn")
+PHASES = ("fanout", "tree", "multiturn", "twosharer")
 KINDS = ("ids", "chat")
 #: per phase kind, which requests the hit ratio counts (``hit_ratio_all`` counts all)
 COUNTING = {
@@ -48,6 +52,8 @@ COUNTING = {
     "tree_chat": "every request",
     "multiturn_ids": "every request",
     "multiturn_chat": "every request",
+    "twosharer_ids": "the second request of each pair (the first shares only the header)",
+    "twosharer_chat": "the second request of each pair (the first shares only the header)",
 }
 #: docstring English for chat text (the tiny model is trained on docstrings)
 WORDS = (
@@ -71,6 +77,10 @@ class Workload:
     turn_conversations: int = 4  # multiturn
     turns: int = 4
     turn_tokens: int = 32  # each made-up answer and each new message
+    pairs: int = 6  # twosharer
+    header_tokens: int = 24
+    doc_min_tokens: int = 300
+    doc_max_tokens: int = 3000
     max_tokens: int = 4
     unit: int = 16
     mamba_block_size: int = 16  # the default config's
@@ -87,6 +97,9 @@ QUICK = Workload(
     turn_conversations=2,
     turns=2,
     turn_tokens=24,
+    pairs=4,
+    doc_min_tokens=100,
+    doc_max_tokens=800,
     max_tokens=2,
 )
 
@@ -231,6 +244,12 @@ def _phases(kind: str, gen: Any, w: Workload) -> list[PlannedRequest]:
     for t in range(w.turns):
         prompts = [gen.message(gen.answer(p, w.turn_tokens), w.turn_tokens) for p in prompts]
         out += [req("multiturn", "conv%d/turn%d" % (i + 1, t + 2), p) for i, p in enumerate(prompts)]
+    # twosharer: a header for all, a document per pair, a question per request
+    header = gen.start(w.header_tokens)
+    for j in range(w.pairs):
+        doc = gen.answer(header, random.Random(w.seed * 1000 + j).randint(w.doc_min_tokens, w.doc_max_tokens))
+        for side in "ab":
+            out.append(req("twosharer", "pair%d%s" % (j + 1, side), gen.message(doc, w.message_tokens), side == "b"))
     return out
 
 

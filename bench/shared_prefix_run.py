@@ -191,7 +191,7 @@ def variants(w: Workload) -> dict[str, list[str]]:
     common = ["--prefix-match-unit", str(w.unit), "--mamba-block-size", str(w.mamba_block_size)]
     if "answer_checkpoints" in HybridPDConfig.model_fields:
         common.append("--no-answer-checkpoints")
-    return {
+    out = {
         "tail-only": [*common, "--checkpoint-policy", "tail-only"],
         "branch-aware": [*common, "--checkpoint-policy", "branch-aware"],
         "nocache": [*common, "--no-enable-prefix-caching"],
@@ -199,6 +199,10 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "vllm-pd": [],
         STACK_VLLM: ["--prefix-match-unit", str(w.unit), *STACK_VLLM_ARGS, *common[4:]],
     }
+    if "checkpoint_placement" in HybridPDConfig.model_fields:  # #27: placement's own effect
+        out[PLACEMENT_OFF] = [*common, "--checkpoint-policy", "branch-aware", "--checkpoint-placement", "off"]
+        out["tail-only"] += ["--checkpoint-placement", "off"]
+    return out
 
 
 def _run_stack_vllm(args: list[str], plan: Sequence[PlannedRequest], w: Workload, tmp: Path) -> dict[str, Any]:
@@ -296,6 +300,33 @@ def run(
     return out
 
 
+#: branch-aware with ``checkpoint_placement: off``: the policy before placement (#27)
+PLACEMENT_OFF = "branch-aware-placement-off"
+#: #27's done-when: the second request of a two-sharer pair reuses this much of the document
+TWO_SHARER_BOUND = 0.75
+
+
+def _placement_checks(results: dict[str, Any], bound: float) -> dict[str, Any]:
+    """#27 on token-id prompts: ``branch-aware`` (placement on) reuses at least
+    ``TWO_SHARER_BOUND`` of a prefix two requests share, reaches ``bound`` of the
+    fan-out's ideal counted from the second conversation (``hit_ratio_all``: the first
+    has an ideal of 0), and is no worse than ``PLACEMENT_OFF`` on any other phase."""
+    ours = results["branch-aware"]["phases"]
+    out: dict[str, Any] = {}
+    if "twosharer_ids" in ours:
+        out["two_sharer_ids_ok"] = ours["twosharer_ids"]["hit_ratio"] >= TWO_SHARER_BOUND
+    out["fanout_ids_from_second_ok"] = ours["fanout_ids"]["hit_ratio_all"] >= bound
+    if PLACEMENT_OFF in results:
+        off = results[PLACEMENT_OFF]["phases"]
+        out["placement_worse_than_off"] = sorted(
+            "%s: %.3f vs %.3f" % (p, x["hit_ratio_all"], off[p]["hit_ratio_all"])
+            for p, x in ours.items()
+            if p in off and x["hit_ratio_all"] < off[p]["hit_ratio_all"]
+        )
+        out["placement_no_worse_ok"] = not out["placement_worse_than_off"]
+    return out
+
+
 def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
     """``branch-aware`` and ``stack-vllm`` at least ``bound`` of the ideal on every
     phase (counted requests); ``stack-vllm`` above ``vllm-direct`` and ``vllm-pd``
@@ -305,6 +336,8 @@ def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
     from bench.provenance import same_run
 
     out: dict[str, Any] = {"prompt_tokens_match": {k: v["prompt_tokens_match"] for k, v in results.items()}}
+    if "branch-aware" in results:
+        out.update(_placement_checks(results, bound))
     for name, key in (("branch-aware", "branch_aware"), (STACK_VLLM, "stack_vllm")):
         if name in results:
             ratios = {p: x["hit_ratio"] for p, x in results[name]["phases"].items()}
@@ -332,25 +365,33 @@ def _write(path: Path, out: dict[str, Any]) -> None:
 
     write_json(path, out)
     v, w = out["variants"], out["workload"]
-    phases = [p for p in ("%s_%s" % (ph, k) for ph in PHASES for k in KINDS)]
+    phases = _phases(v)
     plot_grouped(
         path.with_suffix(".png"),
         {
             "cached / ideal (counted requests)": {
-                k: {p: x["phases"][p]["hit_ratio"] for p in phases} for k, x in v.items()
+                k: {p: x["phases"][p]["hit_ratio"] for p in phases if p in x["phases"]} for k, x in v.items()
             },
-            "TTFT p50 (ms)": {k: {p: x["phases"][p]["ttft_p50_ms"] for p in phases} for k, x in v.items()},
+            "TTFT p50 (ms)": {
+                k: {p: x["phases"][p]["ttft_p50_ms"] for p in phases if p in x["phases"]} for k, x in v.items()
+            },
         },
         "shared prefix, u = %d, B = %d%s" % (w["unit"], w["mamba_block_size"], " (--quick)" if out["quick"] else ""),
     )
     path.with_suffix(".md").write_text(markdown(out))
 
 
+def _phases(variants: dict[str, Any]) -> list[str]:
+    """The phases some variant of a run has, in plan order (older runs lack the later phases)."""
+    every = ["%s_%s" % (ph, k) for ph in PHASES for k in KINDS]
+    return [p for p in every if any(p in x["phases"] for x in variants.values())]
+
+
 def markdown(out: dict[str, Any]) -> str:
     """The per-variant, per-phase table of a run's JSON: medians of the repeats
     (min-max where they differ)."""
     v = out["variants"]
-    phases = ["%s_%s" % (ph, k) for ph in PHASES for k in KINDS]
+    phases = _phases(v)
     counters = sorted({x["state_bytes_counter"] for x in v.values() if x.get("state_bytes_counter")})
     rows = [
         "| variant | repeats | phase | cached | ideal | cached / ideal | (all requests) | TTFT p50 ms | TTFT p90 ms"
@@ -358,7 +399,7 @@ def markdown(out: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for k, x in v.items():
-        for p in phases:
+        for p in (p for p in phases if p in x["phases"]):
             rows.append(
                 "| %s | %d | %s | %s | %s | %s | %s | %s | %s | %s |"
                 % (

@@ -263,6 +263,11 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "growing-streams-quick": ("growing_streams_quick.json", _variants_table("bench.growing_streams")),
     "shared-prefix": ("shared_prefix.json", _variants_table("bench.shared_prefix_run")),
     "shared-prefix-quick": ("shared_prefix_quick.json", _variants_table("bench.shared_prefix_run")),
+    "shared-prefix-placement-quick": (
+        "shared_prefix_placement_quick.json",
+        _variants_table("bench.shared_prefix_run"),
+    ),
+    "placement": ("placement.json", _module_markdown("bench.placement")),
     "multi-turn": ("multi_turn.json", _variants_table("bench.multi_turn_run")),
     "multi-turn-quick": ("multi_turn_quick.json", _variants_table("bench.multi_turn_run")),
     "overhead": ("overhead.json", _module_markdown("bench.overhead")),

@@ -80,7 +80,11 @@ class HybridPDConfig(BaseModel):
         " 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
     )
     placement_checkpoints: int = Field(
-        2, ge=0, le=8, description="Placed checkpoints per prefill (value, geometric), besides the others."
+        1,
+        ge=0,
+        le=8,
+        description="Placed checkpoints per prefill (value, geometric), besides the others (1: a workload that"
+        " never reuses them writes at most 2x the states of tail-only).",
     )
     placement_interval: int = Field(
         1024, ge=16, le=1 << 20, description="Interval of checkpoint_placement: interval, tokens."

@@ -279,7 +279,9 @@ def bench_growing_streams(
     "--variant",
     "variants",
     multiple=True,
-    type=click.Choice(["tail-only", "branch-aware", "nocache", "stack-vllm", "vllm-direct", "vllm-pd"]),
+    type=click.Choice(
+        ["tail-only", "branch-aware", "branch-aware-placement-off", "nocache", "stack-vllm", "vllm-direct", "vllm-pd"]
+    ),
     help="Run only these variants and merge them into the same workload's results already in --json"
     " (stack-vllm, our stack on the vLLM engine, vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
     " need the vLLM environment: make bootstrap-vllm).",
@@ -296,7 +298,8 @@ def bench_growing_streams(
 def bench_shared_prefix(
     json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...], repeats: int
 ) -> None:
-    """Fan-out, agent-tree and multi-turn prompts: cached tokens against the ideal, per checkpoint policy."""
+    """Fan-out, agent-tree, multi-turn and two-sharer prompts: cached tokens against the ideal, per checkpoint
+    policy (branch-aware-placement-off: branch-aware without checkpoint placement)."""
     from pathlib import Path
 
     from bench import shared_prefix, shared_prefix_run
@@ -305,6 +308,29 @@ def bench_shared_prefix(
         json_path = "bench/results/shared_prefix_quick.json" if quick else "bench/results/shared_prefix.json"
     overrides = _workload_overrides(shared_prefix.Workload.__dataclass_fields__, workload)
     out = shared_prefix_run.run(Path(json_path), quick, list(variants) or None, overrides, repeats)
+    _echo_report(json_path, out)
+
+
+@bench.command("placement")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False),
+    default="bench/results/placement.json",
+    show_default=True,
+    help="Where to write.",
+)
+@click.option("--checkpoints", default=1, show_default=True, help="placement_checkpoints of value and geometric.")
+def bench_placement(json_path: str, checkpoints: int) -> None:
+    """Replay fan-out, tree, two-sharer and growing-stream prompts through the placement policies (tensor-free,
+    seconds): hit ratio and state bytes of value, geometric, tail+junction and fixed intervals."""
+    import dataclasses
+    from pathlib import Path
+
+    from bench import placement
+
+    r = dataclasses.replace(placement.Replay(), placement_checkpoints=checkpoints)
+    out = placement.run(Path(json_path), r)
     _echo_report(json_path, out)
 
 

@@ -196,7 +196,7 @@ def test_mooncake_down_recomputes(fstack: Stack, reference) -> None:  # type: ig
 def test_prefill_actor_killed_mid_prefill_is_retried(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
     run, _ = reference
     pid = httpx.get(fstack.http + "/v1/hybridpd/stats", timeout=30).json()["prefill-0"]["pid"]
-    tokens = list(prompt(6000, 67))
+    tokens = list(prompt(12000, 67))  # a window the stats poll catches on a loaded machine too
     result: dict = {}
 
     def call() -> None:
@@ -207,7 +207,7 @@ def test_prefill_actor_killed_mid_prefill_is_retried(fstack: Stack, reference) -
 
     t = threading.Thread(target=call)
     t.start()
-    wait_until(  # prefill-0 is busy with the 6,000-token prompt (512 tokens a step: a dozen steps)
+    wait_until(  # prefill-0 is busy with the 12,000-token prompt (512 tokens a step: two dozen steps)
         lambda: fstack.stats()["prefill-0"]["pool"]["num_running"] > 0, 60, 0.05, "prefill-0 to run the prompt"
     )
     os.kill(pid, signal.SIGKILL)

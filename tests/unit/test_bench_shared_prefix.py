@@ -56,11 +56,13 @@ def test_plan_shape_and_counting() -> None:
     w = Workload()
     plan = build_plan(w, toy_encode)
     phases = _by_phase(plan)
-    assert list(phases) == ["fanout_ids", "tree_ids", "multiturn_ids", "fanout_chat", "tree_chat", "multiturn_chat"]
+    names = ("fanout", "tree", "multiturn", "twosharer")
+    assert list(phases) == ["%s_%s" % (p, k) for k in ("ids", "chat") for p in names]
     for kind in ("ids", "chat"):
         assert len(phases["fanout_" + kind]) == w.conversations
         assert len(phases["tree_" + kind]) == 1 + w.forks + w.forks**2
         assert len(phases["multiturn_" + kind]) == w.turn_conversations * w.turns
+        assert [r.counted for r in phases["twosharer_" + kind]] == [False, True] * w.pairs
     assert [r.label for r in phases["tree_ids"]][:5] == ["trunk", "fork1", "fork2", "fork3", "fork1.1"]
     assert phases["multiturn_chat"][-1].label == "conv4/turn5"
     # fan-out counts conversations 3..N with token ids, 2..N with chat; the rest counts everything
@@ -99,6 +101,13 @@ def test_plan_prompts_are_off_unit_and_share_as_designed() -> None:
     assert t2[: len(fan[1])] == fan[1] and t3[: len(t2)] == t2
     assert len(t3) - len(t2) >= 2 * w.turn_tokens
     assert ideal["multiturn_ids", "conv2/turn3"] == len(t2) // w.unit * w.unit
+    # two-sharer: a pair shares header + its document (of its own length), pairs only the header
+    pair = [(ids["twosharer_ids", "pair%d%s" % (j, s)]) for j in (1, 2) for s in "ab"]
+    header, doc1, doc2 = lcp(pair[0], pair[2]), lcp(pair[0], pair[1]), lcp(pair[2], pair[3])
+    assert w.header_tokens <= header < w.header_tokens + w.unit
+    assert w.doc_min_tokens <= doc1 - header <= w.doc_max_tokens and doc1 - header != doc2 - header
+    assert ideal["twosharer_ids", "pair1b"] == doc1 // w.unit * w.unit
+    assert ideal["twosharer_ids", "pair2a"] == header // w.unit * w.unit
     # chat: the same structure in messages
     chat = {(r.phase, r.label): r.messages for r in plan if r.chat}
     c1, c2 = chat["fanout_chat", "conv1"], chat["fanout_chat", "conv2"]
@@ -112,7 +121,8 @@ def test_plan_prompts_are_off_unit_and_share_as_designed() -> None:
 
 def test_quick_plan_is_small() -> None:
     plan = build_plan(QUICK, toy_encode)
-    assert len(plan) == 2 * (QUICK.conversations + 1 + QUICK.forks + QUICK.forks**2 + QUICK.turn_conversations * 2)
+    per_kind = QUICK.conversations + 1 + QUICK.forks + QUICK.forks**2 + QUICK.turn_conversations * 2 + 2 * QUICK.pairs
+    assert len(plan) == 2 * per_kind
 
 
 def _rec(phase: str, label: str, counted: bool, cached: int, ideal: int, ttft: float, **kw: object) -> dict[str, Any]:
