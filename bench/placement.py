@@ -108,6 +108,19 @@ def replay(
     return {"hit_tokens": hit_sum, "ideal_tokens": ideal_sum, "hit_ratio": hit_sum / ideal_sum, "states": len(written)}
 
 
+def report(r: Replay | None = None) -> dict[str, Any]:
+    """The replay's results and checks, for another benchmark's JSON (``bench
+    shared-prefix`` embeds it as ``placement``)."""
+    r = r or Replay()
+    results = _replay_all(r)
+    return {
+        "replay": asdict(r),
+        "state_bytes_each": results.pop("_state_bytes"),
+        "workloads": results,
+        "checks": checks(results),
+    }
+
+
 def run(json_path: Path, r: Replay | None = None) -> dict[str, Any]:
     """Replay every workload under every policy; write JSON + markdown."""
     from bench.provenance import record
@@ -115,14 +128,8 @@ def run(json_path: Path, r: Replay | None = None) -> dict[str, Any]:
 
     r = r or Replay()
     with record() as prov:
-        results = _replay_all(r)
-    out = {
-        "replay": asdict(r),
-        "state_bytes_each": results.pop("_state_bytes"),
-        "workloads": results,
-        "checks": checks(results),
-        "provenance": prov.to_dict(),
-    }
+        out = report(r)
+    out["provenance"] = prov.to_dict()
     write_json(json_path, out)
     _plot(json_path.with_suffix(".png"), out)
     json_path.with_suffix(".md").write_text(markdown(out))

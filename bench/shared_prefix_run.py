@@ -288,13 +288,17 @@ def run(
     )
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
+    from bench import placement
+
+    replayed = placement.report()  # the placement report (#27): pure, seconds
     out = {
         "workload": asdict(w),
         "quick": quick,
         "counting": COUNTING,
         "variants": results,
-        "checks": checks(results),
+        "checks": {**checks(results), **{"placement_" + k: v for k, v in replayed["checks"].items()}},
         "notes": notes,
+        "placement": replayed,
     }
     _write(json_path, out)
     return out
@@ -415,4 +419,13 @@ def markdown(out: dict[str, Any]) -> str:
                     spread(x, "phases", p, "state_bytes_per_cached_token", spec="%.0f"),
                 )
             )
+    if "placement" in out:  # the placement report (bench/placement.py)
+        from bench import placement
+
+        rows += [
+            "",
+            "Placement replay (`bench/placement.py`, at equal state bytes):",
+            "",
+            placement.markdown(out["placement"]),
+        ]
     return "\n".join(rows) + "\n"

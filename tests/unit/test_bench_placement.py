@@ -50,3 +50,13 @@ def test_checks_compare_with_the_best_interval() -> None:
     got = checks({"a": row(0.9, 0.95), "b": row(0.9, 0.8)})
     assert not got["value_not_below_best_interval"] and got["value_below_best_interval_on"] == ["a"]
     assert not got["value_above_best_interval_on_two"]
+
+
+def test_shared_prefix_embeds_the_report() -> None:
+    from bench import shared_prefix_run
+
+    rep = placement.report()
+    assert set(rep) == {"replay", "state_bytes_each", "workloads", "checks"}
+    out = {"variants": {}, "placement": rep}
+    text = shared_prefix_run.markdown(out)
+    assert "Placement replay" in text and "| twosharer | value |" in text
