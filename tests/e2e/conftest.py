@@ -78,9 +78,13 @@ STACK_ARGS = ["--eagle", "--max-inflight-requests", "4"]
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The shared stack, at mamba_block_size B = 64 (vLLM's align-mode columns: the
-    junction and growing-stream tests rely on its column rule); test_serving.py
-    also runs its equality tests on a stack at the default B = u."""
-    s = Stack(Path(tmp_path_factory.mktemp("stack")), [*STACK_ARGS, "--mamba-block-size", "64"])
+    junction and growing-stream tests rely on its column rule) and without
+    checkpoint placement (the junction tests pin which request pays; placement
+    depends on the divergences the router saw, i.e. on test order:
+    test_placement.py has its own stack); test_serving.py also runs its
+    equality tests on a stack at the default B = u, placement on."""
+    args = [*STACK_ARGS, "--mamba-block-size", "64", "--checkpoint-placement", "off"]
+    s = Stack(Path(tmp_path_factory.mktemp("stack")), args)
     s.start()
     try:
         yield s
