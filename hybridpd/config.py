@@ -198,7 +198,7 @@ class HybridPDConfig(BaseModel):
                 "must be a multiple of prefix_match_unit (%d), got %d"
                 % (self.prefix_match_unit, self.mamba_block_size),
             )
-        if self.placement_interval % self.prefix_match_unit != 0:
+        if self.checkpoint_placement == "interval" and self.placement_interval % self.prefix_match_unit != 0:
             raise ConfigError(
                 "placement_interval",
                 "must be a multiple of prefix_match_unit (%d), got %d"

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel
-from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid
+from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid, planned_checkpoint
 
 #: placement policies (``checkpoint_placement``)
 PLACEMENTS = ("value", "geometric", "interval", "off")
@@ -94,25 +94,42 @@ class DivergenceHistory:
 
 def candidates(
     hit: int, num_tokens: int, unit: int, mamba_block_size: int, alignment: int | None, drop_eagle_block: bool
-) -> list[int]:
+) -> range:
     """The positions a prefill of ``[hit, num_tokens)`` can write an extra
     checkpoint at, ascending: unit multiples, ``hit + k * a``, valid extras
-    (``is_extra_checkpoint_valid``), below the tail
-    (``checkpoint_position``). At most :data:`MAX_CANDIDATES`, thinned evenly
-    (the deepest kept)."""
-    if alignment is None:
-        return []
+    (``is_extra_checkpoint_valid``), below the tail (``checkpoint_position``).
+    Every condition but the slot-column rule is the same for every such
+    position, and that one holds from some position on: a range, O(1).
+
+    >>> candidates(0, 100, 16, 16, 16, False)
+    range(16, 96, 16)
+    """
     tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    if alignment is None:
+        return range(0)
     step = alignment * unit // math.gcd(alignment, unit)
-    out = [
-        p
-        for p in range(hit + step, tail, step)
-        if is_extra_checkpoint_valid(hit, num_tokens, p, unit, mamba_block_size, alignment)
-    ]
-    if len(out) > MAX_CANDIDATES:
-        stride = len(out) / MAX_CANDIDATES
-        out = [out[len(out) - 1 - int(i * stride)] for i in range(MAX_CANDIDATES)][::-1]
-    return out
+    first = hit + step
+    while first < tail and not is_extra_checkpoint_valid(hit, num_tokens, first, unit, mamba_block_size, alignment):
+        if hit % unit or first - hit > mamba_block_size + step:  # a position-independent rule fails
+            return range(0)
+        first += step
+    return range(first, tail, step)
+
+
+def thinned(cands: Sequence[int], limit: int = MAX_CANDIDATES) -> list[int]:
+    """At most ``limit`` of ``cands`` (ascending) for the dynamic program: the
+    deepest ``limit // 2`` all kept (where prompts diverge most often, at their
+    last message), the rest evenly spaced.
+
+    >>> thinned(range(16, 16 * 11, 16), 6)
+    [16, 48, 80, 128, 144, 160]
+    """
+    if len(cands) <= limit:
+        return list(cands)
+    dense = limit // 2
+    head = cands[: len(cands) - dense]
+    stride = len(head) / (limit - dense)
+    return [head[int(i * stride)] for i in range(limit - dense)] + list(cands[len(cands) - dense :])
 
 
 def value_positions(
@@ -229,20 +246,25 @@ def place(
     if policy == "off" or (count <= 0 and policy != "interval"):
         return ()
     cands = candidates(hit, num_tokens, unit, mamba_block_size, alignment, drop_eagle_block)
-    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    tail = planned_checkpoint(hit, num_tokens, num_tokens, unit, mamba_block_size, alignment, drop_eagle_block)
     taken = set(fixed)
-    free = [p for p in cands if p not in taken]
     if policy == "interval":
-        return interval_positions(free, interval)[-MAX_PLACED:]
+        if not cands or interval <= 0:
+            return ()
+        multiples = range(cands.start + (-cands.start) % interval, cands.stop, interval)
+        kept = [p for p in multiples if (p - cands.start) % cands.step == 0 and p not in taken]
+        return tuple(kept[-MAX_PLACED:])
     if policy == "geometric":
-        return geometric_positions(free, tail, count, unit)
+        return geometric_positions([p for p in cands if p not in taken], cands.stop, count, unit)
     hist = history if history is not None else DivergenceHistory()
     drop = unit if drop_eagle_block else 0
 
     def cdf(xs: np.ndarray) -> np.ndarray:
         return hist.depth_cdf(num_tokens, drop, unit, xs)
 
-    return value_positions(free, {hit, tail, *taken}, count, cdf, compute)
+    free = [p for p in thinned(cands) if p not in taken]
+    fixed_all = {hit, *taken} | ({tail} if tail is not None else set())
+    return value_positions(free, fixed_all, count, cdf, compute)
 
 
 def placed_checkpoints(

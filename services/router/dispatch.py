@@ -176,19 +176,23 @@ class Dispatcher:
             return ()
         n, u, b, a = len(req.prompt_token_ids), cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment
         requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, cfg.eagle, cfg.max_extra_checkpoints)
-        placed = place(
-            cfg.checkpoint_placement,
-            n,
-            hit,
-            requested,
-            cfg.placement_checkpoints,
-            u,
-            b,
-            a,
-            cfg.eagle,
-            self.divergence,
-            interval=cfg.placement_interval,
-        )
+        try:  # NOTE: on the event loop: O(1) candidates, a DP over at most 192 of them (ms)
+            placed = place(
+                cfg.checkpoint_placement,
+                n,
+                hit,
+                requested,
+                cfg.placement_checkpoints,
+                u,
+                b,
+                a,
+                cfg.eagle,
+                self.divergence,
+                interval=cfg.placement_interval,
+            )
+        except Exception:  # placement is an optimisation: never fail a request for it
+            logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)
+            return ()
         self.metrics.placed_checkpoints.inc(len(placed))
         return placed
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ValueLedger
-from hybridpd.checkpoints import is_extra_checkpoint_valid
+from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid
 from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import StateCache
@@ -25,6 +25,7 @@ from hybridpd.placement import (
     interval_positions,
     place,
     placed_checkpoints,
+    thinned,
     value_positions,
 )
 
@@ -92,8 +93,18 @@ def test_simple_rules_and_bad_policy() -> None:
     assert place("value", 1000, 0, (), 4, 16, 16, None, False) == ()  # the kernel cannot export
     with pytest.raises(ValueError, match="unknown placement"):
         place("everywhere", 1000, 0, (), 4, 16, 16, 16, False)
-    assert len(candidates(0, 100_000, 16, 16, 16, False)) == 192  # thinned, deepest kept
-    assert candidates(0, 100_000, 16, 16, 16, False)[-1] == 99_968
+    long = candidates(0, 100_000, 16, 16, 16, False)
+    assert len(long) == 6248 and long[-1] == 99_968
+    dp = thinned(long)
+    assert len(dp) == 192 and dp[-96:] == list(long[-96:]) and dp[0] == 16  # the deepest kept densely
+    # the simple rules see every position, however long the prompt
+    assert place("interval", 100_000, 0, (), 1, 16, 16, 16, False, interval=1024)[-1] == 99_328
+    assert place("geometric", 100_000, 0, (), 3, 16, 16, 16, False) == (99_856, 99_920, 99_952)
+    # candidates equal the validity rule's, position by position (the range is exact)
+    for hit, n, b in ((0, 300, 64), (32, 300, 64), (64, 200, 64), (48, 1000, 16), (16, 40, 64)):
+        want = [p for p in range(hit + 16, n) if p < checkpoint_position(n, 16, False)]
+        want = [p for p in want if is_extra_checkpoint_valid(hit, n, p, 16, b, 16)]
+        assert list(candidates(hit, n, 16, b, 16, False)) == want, (hit, n, b)
 
 
 # -- the share placed checkpoints may hold --------------------------------------------------------
@@ -143,3 +154,12 @@ def test_the_store_ledger_evicts_speculative_objects_first_within_their_share() 
     assert led.victims(800) == [_h(3), _h(1)]  # over the whole budget: by value, kinds alike
     with pytest.raises(ValueError, match="speculative share"):
         led.victims(600, speculative=True)
+
+
+def test_the_interval_must_be_a_unit_multiple_only_when_used() -> None:
+    from hybridpd.config import load_config
+    from hybridpd.errors import ConfigError
+
+    assert load_config(env={}, overrides={"prefix_match_unit": 48}).placement_interval == 1024
+    with pytest.raises(ConfigError, match="placement_interval"):
+        load_config(env={}, overrides={"prefix_match_unit": 48, "checkpoint_placement": "interval"})

@@ -64,7 +64,6 @@ from hybridpd.engine.native.state_cache import slots_for
 from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
-from hybridpd.placement import placed_checkpoints
 from hybridpd.validation import validate_request
 
 __all__ = ["NativeEngine", "SpecStats"]
@@ -363,19 +362,15 @@ class NativeEngine:
 
     def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
         """The scheduler's extra positions: ``checkpoints.requested_checkpoints`` of
-        the prompt's query ``[num_cached, N)`` and the placed ones
-        (``placement.placed_checkpoints``), ascending (none with caching off). A
-        placed one is skipped by a full speculative share (``StateCache.store``):
-        the caller's hint may then over-claim it; the index never does."""
-        if not self.cfg.enable_prefix_caching or not (request.checkpoints or request.placement):
+        the prompt's query ``[num_cached, N)`` (none with caching off). Not the
+        placed ones (``EngineRequest.placement``): a full speculative share may
+        skip them (``StateCache.store``), so only the index (the cache events)
+        reports them."""
+        if not self.cfg.enable_prefix_caching or not request.checkpoints:
             return ()
         n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
         b, a = cfg.mamba_block_size, cfg.alignment
-        extra = requested_checkpoints(request.checkpoints, num_cached, n, cfg.unit, b, a, cfg.eagle, cfg.max_extra)
-        tail = planned_checkpoint(num_cached, n, n, cfg.unit, b, a, cfg.eagle)
-        mine = (*extra, *(() if tail is None else (tail,)))
-        placed = placed_checkpoints(request.placement, num_cached, n, cfg.unit, b, a, cfg.eagle, mine)
-        return tuple(sorted({*extra, *placed}))
+        return requested_checkpoints(request.checkpoints, num_cached, n, cfg.unit, b, a, cfg.eagle, cfg.max_extra)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""
