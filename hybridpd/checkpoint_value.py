@@ -159,6 +159,10 @@ def _check(nbytes: int, half_life_s: float) -> None:
         raise ValueError("need nbytes > 0 and half_life_s > 0, got %s, %s" % (nbytes, half_life_s))
 
 
+class ShareFull(ValueError):
+    """A speculative object does not fit the speculative share (:meth:`ValueLedger.victims`)."""
+
+
 @dataclass(slots=True)
 class LedgerEntry:
     nbytes: int
@@ -276,9 +280,7 @@ class ValueLedger:
                 out.append(key)
                 over -= self.entries[key].nbytes
             if over > 0:
-                raise ValueError(
-                    "%d bytes do not fit a speculative share of %d bytes" % (need, self.speculative_budget)
-                )
+                raise ShareFull("%d bytes do not fit a speculative share of %d bytes" % (need, self.speculative_budget))
         excess = self.nbytes - sum(self.entries[k].nbytes for k in out) + need - self.budget_bytes
         for key in (k for k in order if k not in out):
             if excess <= 0:

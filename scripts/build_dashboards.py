@@ -177,6 +177,11 @@ STATE_PLANE = dashboard(
             "short",
         ),
         panel(
+            "Checkpoint placement: positions placed for the request that diverges first",
+            [q("sum(rate(hybridpd_placed_checkpoints_total[$__rate_interval]))", "placed/s")],
+            "short",
+        ),
+        panel(
             "Prefill tokens: computed vs restored",
             [
                 q("sum(rate(ray_hybridpd_prefill_computed_tokens_total[$__rate_interval]))", "computed"),

@@ -38,7 +38,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ValueLedger
+from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ShareFull, ValueLedger
 from hybridpd.engine.base import CacheEvent, Engine, KVExport, StateCheckpoint
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHash, BlockHasher
@@ -260,6 +260,10 @@ class CachePublisher:
             self.observe("store_put_seconds", res.seconds)
             if self.index is not None:  # published only after the put succeeded
                 self.index.publish_store(kv.block_hashes, st.key, st.meta.position)
+        except ShareFull as exc:  # a placed checkpoint larger than its share: not a failure
+            with self.stats_lock:
+                self.counters.placed_exports_skipped += 1
+            logger.debug("placed checkpoint at %d not put: %s", st.meta.position, exc)
         except Exception as exc:  # store/index failures of any kind degrade, never fail
             with self.stats_lock:
                 self.counters.checkpoint_export_failures += 1

@@ -105,6 +105,9 @@ class PrefillCounters:
     checkpoint_export_bytes: int = _counter("Bytes of checkpoints put in the store.")
     checkpoint_export_failures: int = _counter("Checkpoints that could not be stored or published.")
     checkpoint_state_bytes: int = _counter("State-checkpoint bytes put in the store (part of checkpoint_export_bytes).")
+    placed_exports_skipped: int = _counter(
+        "Placed (speculative) checkpoints not put in the store: larger than placement_share of its budget."
+    )
     checkpoint_evictions: int = _counter(
         "State checkpoints this instance evicted from the store by value (index entry first, then the object)."
     )

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ValueLedger
+from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ShareFull, ValueLedger
 from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid
 from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_config import HybridModelConfig
@@ -152,7 +152,7 @@ def test_the_store_ledger_evicts_speculative_objects_first_within_their_share() 
     led.hit(_h(2), 1.0)
     assert led.speculative_bytes == 200 and led.fits(200, speculative=True)
     assert led.victims(800) == [_h(3), _h(1)]  # over the whole budget: by value, kinds alike
-    with pytest.raises(ValueError, match="speculative share"):
+    with pytest.raises(ShareFull, match="speculative share"):
         led.victims(600, speculative=True)
 
 
