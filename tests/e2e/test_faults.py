@@ -33,9 +33,9 @@ HANDOFF_TIMEOUT_S = 5
 
 @pytest.fixture(scope="module")
 def fstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        Path(tmp_path_factory.mktemp("faults")), ["--fault-injection", "--handoff-timeout-s", str(HANDOFF_TIMEOUT_S)]
-    )
+    # NOTE: placement off: the repair test pins which store entries a prompt leaves
+    args = ["--fault-injection", "--handoff-timeout-s", str(HANDOFF_TIMEOUT_S), "--checkpoint-placement", "off"]
+    s = Stack(Path(tmp_path_factory.mktemp("faults")), args)
     s.start()
     try:
         yield s
