@@ -199,7 +199,7 @@ def markdown(out: dict[str, Any]) -> str:
         best = row["best_interval"]
         cells = [("tail+junction", row["tail+junction"]), ("geometric", row["geometric"]), ("value", row["value"])]
         if best:
-            cells.append(("best interval at <= value's states: %d" % best["interval"], best))
+            cells.append(("highest-hit interval at <= value's states: %d" % best["interval"], best))
         for policy, x in cells:
             rows.append(
                 "| %s | %s | %.3f | %d | %.1f |"
