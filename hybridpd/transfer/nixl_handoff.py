@@ -135,19 +135,30 @@ class HandoffServer:
         before decode read it. False if it is gone already (read or expired)."""
         return self._free(hid, scrub=True) is not None
 
-    def _free(self, hid: str, scrub: bool) -> float | None:
-        """Free one offer; returns when it was offered (None if unknown)."""
+    def _free(self, hid: str, scrub: bool, outcome: str | None = None) -> float | None:
+        """Free one offer; returns when it was offered (None if unknown).
+
+        ``outcome`` ("released" or "expired") is counted under the same lock
+        that removes the offer, so once ``outstanding()`` no longer sees it
+        the counters and ``release_latencies`` already do."""
         with self.lock:
             offer = self.offers.pop(hid, None)
             if offer is None:
                 return None
+            offered = offer.expires_at - self.timeout_s
+            if outcome == "expired":
+                self.expired += 1
+            elif outcome == "released":
+                self.released += 1
+                if len(self.release_latencies) < 10_000:
+                    self.release_latencies.append(time.time() - offered)
             if scrub:
                 # NOTE: engine buffers are inference tensors: in-place writes need inference mode
                 with torch.inference_mode():
                     for t in offer.tensors:
                         t.zero_()
             self.agent.deregister_memory(offer.reg)
-        return offer.expires_at - self.timeout_s
+        return offered
 
     def _loop(self, poll_s: float) -> None:
         while not self._stop.is_set():
@@ -163,18 +174,13 @@ class HandoffServer:
                 for _agent_name, msgs in notifs.items():
                     for msg in msgs:
                         if msg.startswith(b"release:"):
-                            offered = self._free(msg[8:].decode(), scrub=False)
-                            if offered is not None:
-                                self.released += 1
-                                if len(self.release_latencies) < 10_000:
-                                    self.release_latencies.append(time.time() - offered)
+                            self._free(msg[8:].decode(), scrub=False, outcome="released")
                 now = time.time()
                 with self.lock:
                     late = [h for h, o in self.offers.items() if o.expires_at <= now]
                 for hid in late:
                     logger.warning("handoff %s not read within %.1fs: freeing it", hid, self.timeout_s)
-                    self._free(hid, scrub=True)
-                    self.expired += 1
+                    self._free(hid, scrub=True, outcome="expired")
             except Exception:  # keep freeing on timeouts even if one notification is malformed
                 logger.exception("handoff server loop error")
             self._stop.wait(poll_s)

@@ -50,11 +50,12 @@ def nixl_server_worker(q_out: Any, q_in: Any, timeout_s: float) -> None:
     released_at: dict[str, float] = {}
 
     class TimedServer(HandoffServer):
-        def _free(self, hid: str, scrub: bool) -> float | None:
+        def _free(self, hid: str, scrub: bool, outcome: str | None = None) -> float | None:
             noticed = time.time()
-            offered = super()._free(hid, scrub)
-            if offered is not None and not scrub:
-                released_at[hid] = noticed
+            with self.lock:  # reentrant: recorded before a report can see the counters move
+                offered = super()._free(hid, scrub, outcome)
+                if offered is not None and not scrub:
+                    released_at[hid] = noticed
             return offered
 
     server = TimedServer("prefill-srv", timeout_s=timeout_s)

@@ -217,8 +217,8 @@ class HandoffTransport:
         server = self._server
         if server is None:
             return HandoffStats()
-        # NOTE: swap, not clear: the server's thread appends to the list it holds
-        latencies, server.release_latencies = server.release_latencies, []
+        with server.lock:  # NOTE: the server's thread appends under this lock
+            latencies, server.release_latencies = server.release_latencies, []
         return HandoffStats(server.outstanding(), server.expired, tuple(latencies))
 
     # -- decode side -----------------------------------------------------------------
