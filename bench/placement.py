@@ -21,7 +21,8 @@ with an earlier request, rounded down to u. Each request writes its tail
 (``checkpoint_position``), the junction the index reports
 (``requested_checkpoints``, as the branch-aware router asks), and what the
 policy places: ``tail+junction`` (placement off), ``value`` and ``geometric``
-(``placement_checkpoints`` each), and ``interval-I`` for a range of I. The
+(at most ``placement_checkpoints`` each; ``value`` fewer where one would add
+less than ``placement_min_gain`` of the prompt's prefill), and ``interval-I`` for a range of I. The
 comparison is at equal state bytes: the best fixed interval among those that
 wrote no more states than ``value`` (``best_interval``).
 """
@@ -51,7 +52,8 @@ class Replay:
     unit: int = 16
     mamba_block_size: int = 16
     alignment: int = 16
-    placement_checkpoints: int = 1  # the config's default
+    placement_checkpoints: int = 2  # the config's defaults
+    placement_min_gain: float = 0.05
     streams: int = 4  # growing
     first_tokens: int = 1000
     step_tokens: int = 200
@@ -101,7 +103,8 @@ def replay(
         tail = checkpoint_position(n, u, False)
         mine = {tail, *junction}
         pol = "off" if policy == "tail+junction" else ("interval" if policy.startswith("interval") else policy)
-        mine |= set(place(pol, n, hit, mine, r.placement_checkpoints, u, b, a, False, history, interval=interval))
+        count, gain = r.placement_checkpoints, r.placement_min_gain
+        mine |= set(place(pol, n, hit, mine, count, u, b, a, False, history, interval=interval, min_gain=gain))
         for p in sorted(mine):
             if p > hit and not any(j < i and p <= shared[j] and q == p for j, q in written):  # a new state
                 written.append((i, p))
@@ -146,7 +149,7 @@ def _plot(path: Path, out: dict[str, Any]) -> None:
         panels["hit / ideal"][label] = {n: (row[key] or {}).get("hit_ratio", 0.0) for n, row in w.items()}
         panels["states written"][label] = {n: float((row[key] or {}).get("states", 0)) for n, row in w.items()}
     plot_grouped(
-        path, panels, "checkpoint placement replay, %d placed per prefill" % out["replay"]["placement_checkpoints"]
+        path, panels, "checkpoint placement replay, at most %d placed per prefill" % out["replay"]["placement_checkpoints"]
     )
 
 

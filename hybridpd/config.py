@@ -80,11 +80,18 @@ class HybridPDConfig(BaseModel):
         " 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
     )
     placement_checkpoints: int = Field(
-        1,
+        2,
         ge=0,
         le=8,
-        description="Placed checkpoints per prefill (value, geometric), besides the others (1: a workload that"
-        " never reuses them writes at most 2x the states of tail-only).",
+        description="The most placed checkpoints per prefill (value, geometric), besides the others; value"
+        " places fewer where they would not pay (placement_min_gain).",
+    )
+    placement_min_gain: float = Field(
+        0.05,
+        ge=0,
+        lt=1,
+        description="checkpoint_placement=value places one more checkpoint only if it adds at least this share"
+        " of the prompt's prefill FLOPs to the expected saving (0: always placement_checkpoints).",
     )
     placement_interval: int = Field(
         1024, ge=16, le=1 << 20, description="Interval of checkpoint_placement: interval, tokens."

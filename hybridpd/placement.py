@@ -138,10 +138,16 @@ def value_positions(
     count: int,
     cdf: Callable[[np.ndarray], np.ndarray],
     compute: ComputeModel = LINEAR_ONLY,
+    min_gain: float = 0.0,
 ) -> tuple[int, ...]:
     """The at most ``count`` positions of ``cands`` that maximise the expected
     saved FLOPs, given the checkpoints in ``fixed`` (the hit, the tail,
     requested ones) and ``cdf`` (``P(D < x)`` for an array of positions).
+
+    How many: the most ``k <= count`` such that each of the first ``k``
+    optimal placements adds at least ``min_gain`` expected FLOPs to the one
+    before (``E*(k) - E*(k-1) >= min_gain``, stopping at the first that does
+    not): a state is written only where it is expected to pay for itself.
 
     Exact: a dynamic program over the sorted points ``p_0 < ... < p_m-1``
     (candidates and fixed): every fixed point is chosen; a chosen point saves
@@ -188,7 +194,13 @@ def value_positions(
     total = best + (f * (1.0 - c[:m]))[None, :]
     if fixed_idx:
         total[:, : fixed_idx[-1]] = -np.inf  # the highest chosen point lies at or above every fixed one
-    k, i = (int(v) for v in np.unravel_index(int(np.argmax(total)), total.shape))
+    opt = np.maximum.accumulate(total.max(axis=1))  # E*(k): the most k or fewer placements save
+    k = 0
+    while k < count and opt[k + 1] - opt[k] > 1e-9 * abs(opt[k + 1]) and opt[k + 1] - opt[k] >= min_gain:
+        k += 1
+    if k == 0:
+        return ()
+    i = int(np.argmax(total[k]))
     chosen: list[int] = []
     while i >= 0:
         if not is_fixed[i]:
@@ -234,13 +246,15 @@ def place(
     history: DivergenceHistory | None = None,
     compute: ComputeModel = LINEAR_ONLY,
     interval: int = 0,
+    min_gain: float = 0.0,
 ) -> tuple[int, ...]:
     """The positions ``policy`` (:data:`PLACEMENTS`) places for a prefill of
     ``[hit, num_tokens)`` that writes the checkpoints in ``fixed`` anyway
     (requested positions; the hit and the tail are added here), ascending, at
     most ``count`` (``interval``: every multiple, at most :data:`MAX_PLACED`,
-    the deepest). Each is a
-    position the engine can write (:func:`candidates`)."""
+    the deepest). Each is a position the engine can write (:func:`candidates`).
+    ``value`` places one more only while it adds at least ``min_gain`` of this
+    prompt's prefill FLOPs to the expected saving (``placement_min_gain``)."""
     if policy not in PLACEMENTS:
         raise ValueError("unknown placement %r (have %s)" % (policy, ", ".join(PLACEMENTS)))
     if policy == "off" or (count <= 0 and policy != "interval"):
@@ -264,7 +278,8 @@ def place(
 
     free = [p for p in thinned(cands) if p not in taken]
     fixed_all = {hit, *taken} | ({tail} if tail is not None else set())
-    return value_positions(free, fixed_all, count, cdf, compute)
+    floor = min_gain * compute.prefix_flops(num_tokens)
+    return value_positions(free, fixed_all, min(count, MAX_PLACED), cdf, compute, floor)
 
 
 def placed_checkpoints(

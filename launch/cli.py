@@ -320,8 +320,11 @@ def bench_shared_prefix(
     show_default=True,
     help="Where to write.",
 )
-@click.option("--checkpoints", default=1, show_default=True, help="placement_checkpoints of value and geometric.")
-def bench_placement(json_path: str, checkpoints: int) -> None:
+@click.option("--checkpoints", default=2, show_default=True, help="placement_checkpoints of value and geometric.")
+@click.option(
+    "--min-gain", default=0.05, show_default=True, type=click.FloatRange(0, 1), help="placement_min_gain of value."
+)
+def bench_placement(json_path: str, checkpoints: int, min_gain: float) -> None:
     """Replay fan-out, tree, two-sharer and growing-stream prompts through the placement policies (tensor-free,
     seconds): hit ratio and state bytes of value, geometric, tail+junction and fixed intervals."""
     import dataclasses
@@ -329,7 +332,7 @@ def bench_placement(json_path: str, checkpoints: int) -> None:
 
     from bench import placement
 
-    r = dataclasses.replace(placement.Replay(), placement_checkpoints=checkpoints)
+    r = dataclasses.replace(placement.Replay(), placement_checkpoints=checkpoints, placement_min_gain=min_gain)
     out = placement.run(Path(json_path), r)
     _echo_report(json_path, out)
 

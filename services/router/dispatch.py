@@ -189,6 +189,7 @@ class Dispatcher:
                 cfg.eagle,
                 self.divergence,
                 interval=cfg.placement_interval,
+                min_gain=cfg.placement_min_gain,
             )
         except Exception:  # placement is an optimisation: never fail a request for it
             logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)

@@ -1,5 +1,5 @@
 """Checkpoint placement through the public API (#27): on a fresh stack (default
-config: placement value, one per prefill; EAGLE on, u = 16), the second of two
+config: placement value, at most two per prefill; EAGLE on, u = 16), the second of two
 requests sharing a 1,200-token document, and nothing else, restores at least
 0.75 of it, with outputs equal to a monolithic no-cache run; the router counts
 what it placed and the index never promises more than the engine restores."""

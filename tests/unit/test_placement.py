@@ -58,6 +58,48 @@ def test_the_dynamic_program_matches_brute_force(seed: int) -> None:
         assert _saved(got, fixed, depths, compute) == pytest.approx(best, rel=1e-12)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_min_gain_stops_at_the_first_placement_that_does_not_pay(seed: int) -> None:
+    """Brute force: ``E*(k)`` for every ``k``; the program places ``k*`` = the
+    most ``k`` whose every step adds at least ``min_gain``, and saves ``E*(k*)``."""
+    rng = random.Random(100 + seed)
+    stopped_early = 0
+    for _ in range(60):
+        cands = sorted(rng.sample(range(16, 480, 16), rng.randint(1, 7)))
+        fixed = {0}
+        count = rng.randint(1, 4)
+        depths = [rng.uniform(0, 520) for _ in range(rng.randint(1, 8))]
+        compute = ComputeModel(1.0, 0.0)
+
+        def cdf(xs: np.ndarray, depths: list[float] = depths) -> np.ndarray:
+            return np.array([np.mean([d < x for d in depths]) for x in xs])
+
+        e = [
+            max(_saved(c, fixed, depths, compute) for c in itertools.combinations(cands, k)) / len(depths)
+            for k in range(min(count, len(cands)) + 1)
+        ]
+        min_gain = rng.choice([0.0, 5.0, 20.0, 60.0])
+        k_star = 0
+        while k_star + 1 < len(e) and e[k_star + 1] - e[k_star] >= max(min_gain, 1e-6):
+            k_star += 1
+        got = value_positions(cands, fixed, count, cdf, compute, min_gain)
+        assert len(got) <= k_star
+        assert _saved(got, fixed, depths, compute) / len(depths) == pytest.approx(e[k_star], rel=1e-9, abs=1e-9)
+        stopped_early += k_star < len(e) - 1
+    assert stopped_early > 0  # the threshold bound somewhere
+
+
+def test_a_concentrated_history_places_only_what_pays() -> None:
+    """Every earlier prompt diverged 35 tokens before its end: one placement
+    there pays, a second would only serve the prior's residue."""
+    h = DivergenceHistory()
+    for _ in range(200):
+        h.observe(3000, 2965, 16)
+    assert len(place("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.0)) == 4
+    assert place("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.05) == (1952,)
+    assert place("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.99) == ()
+
+
 def test_the_prior_alone_places_along_the_prompt_and_seen_divergences_pull_to_them() -> None:
     h = DivergenceHistory()
     xs = np.arange(0, 2001, 16, dtype=np.float64)
