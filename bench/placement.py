@@ -22,7 +22,8 @@ with an earlier request, rounded down to u. Each request writes its tail
 (``requested_checkpoints``, as the branch-aware router asks), and what the
 policy places: ``tail+junction`` (placement off), ``value`` and ``geometric``
 (at most ``placement_checkpoints`` each; ``value`` fewer where one would add
-less than ``placement_min_gain`` of the prompt's prefill), and ``interval-I`` for a range of I. The
+less than ``placement_min_gain`` of the prompt's prefill; ``value`` is also
+replayed without that threshold, at the cap and at one, as ablations), and ``interval-I`` for a range of I. The
 comparison is at equal state bytes: the best fixed interval among those that
 wrote no more states than ``value`` (``best_interval``).
 """
@@ -161,8 +162,13 @@ def _replay_all(r: Replay) -> dict[str, Any]:
         row: dict[str, Any] = {"prompts": len(prompts), "prompt_tokens": sum(len(p) for p in prompts)}
         for policy in ("tail+junction", "geometric", "value"):
             row[policy] = replay(prompts, counted, policy, r)
+        # ablations of the threshold: value always placing the cap, and always one
+        row["value_no_min_gain"] = replay(prompts, counted, "value", dataclasses.replace(r, placement_min_gain=0.0))
+        one = dataclasses.replace(r, placement_checkpoints=1, placement_min_gain=0.0)
+        row["value_one_no_min_gain"] = replay(prompts, counted, "value", one)
         row["intervals"] = {str(i): replay(prompts, counted, "interval-%d" % i, r, i) for i in INTERVALS}
-        for x in (row["tail+junction"], row["geometric"], row["value"], *row["intervals"].values()):
+        ablations = (row["value_no_min_gain"], row["value_one_no_min_gain"])
+        for x in (row["tail+junction"], row["geometric"], row["value"], *ablations, *row["intervals"].values()):
             x["state_bytes"] = x["states"] * state_bytes
         fits = {i: x for i, x in row["intervals"].items() if x["states"] <= row["value"]["states"]}
         best = max(fits, key=lambda i: (fits[i]["hit_ratio"], -fits[i]["states"]), default=None)
@@ -201,6 +207,10 @@ def markdown(out: dict[str, Any]) -> str:
     for name, row in out["workloads"].items():
         best = row["best_interval"]
         cells = [("tail+junction", row["tail+junction"]), ("geometric", row["geometric"]), ("value", row["value"])]
+        cells += [
+            ("value, min gain 0 (always the cap)", row["value_no_min_gain"]),
+            ("value, one, min gain 0", row["value_one_no_min_gain"]),
+        ]
         if best:
             cells.append(("highest-hit interval at <= value's states: %d" % best["interval"], best))
         for policy, x in cells:

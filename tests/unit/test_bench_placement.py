@@ -23,7 +23,7 @@ def test_a_pair_sharing_a_document_hits_only_with_placement() -> None:
     # off: the second leaves the junction (992) for a third; it restores nothing itself
     assert off["hit_tokens"] == 0 and off["ideal_tokens"] == 992 and off["states"] == 3
     assert value["ideal_tokens"] == 992 and 0.75 * 992 <= value["hit_tokens"] <= 992
-    assert value["states"] == off["states"] + 2  # one placed per prefill
+    assert value["states"] == off["states"] + 2  # one placed per prefill: a second would not pay
 
 
 def test_workloads_and_the_report(tmp_path: Path) -> None:
@@ -35,9 +35,12 @@ def test_workloads_and_the_report(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "placement.json").read_text())
     assert saved["checks"] == out["checks"] and (tmp_path / "placement.png").exists()
     for name, row in saved["workloads"].items():
-        # placement never costs hits, and a one-per-prefill placement at most doubles the tail's states
+        # placement never costs hits; the threshold writes fewer states than always the cap, at
+        # most one placed per prefill's worth here, and costs little of its hits
         assert row["value"]["hit_ratio"] >= row["tail+junction"]["hit_ratio"], name
         assert row["value"]["states"] <= 2 * row["tail+junction"]["states"], name
+        assert row["value"]["states"] < row["value_no_min_gain"]["states"], name
+        assert row["value"]["hit_ratio"] >= row["value_no_min_gain"]["hit_ratio"] - 0.01, name
     assert saved["workloads"]["twosharer"]["value"]["hit_ratio"] >= 0.75
 
 
