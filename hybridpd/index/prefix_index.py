@@ -48,12 +48,24 @@ class LookupResult:
     known: int = 0
 
 
+#: Redis errors of a server that will answer again (a failover, a restart loading its data)
+TRANSIENT_ERRORS = (
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.BusyLoadingError,
+    redis.exceptions.MasterDownError,
+    redis.exceptions.TryAgainError,
+    redis.exceptions.ClusterDownError,
+)
+
+
 @contextmanager
 def _mapped() -> Iterator[None]:
     try:
         yield
     except (redis.ConnectionError, redis.TimeoutError, redis.AuthenticationError) as exc:
         raise UnavailableError("prefix index (Redis) unavailable: %s" % exc) from exc
+    except TRANSIENT_ERRORS as exc:
+        raise UnavailableError("prefix index (Redis) cannot serve this now: %s" % exc) from exc
     except redis.ResponseError as exc:
         if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
             raise UnavailableError("prefix index (Redis) rejected our credentials: %s" % exc) from exc

@@ -165,20 +165,26 @@ class CachePublisher:
                 self._cond.wait_for(lambda: bool(self._events) or not self._cleared or self._stop.is_set(), 1.0)
                 batch, target = list(self._events), self._enqueued
             if not self._cleared or batch:
-                if self._write(batch):
+                outcome = self._write(batch)
+                if outcome == "retry":
+                    self._trim_backlog()
+                else:
                     with self._cond:
                         for _ in batch:
                             self._events.popleft()
                         self._applied = max(self._applied, target)
                         self._cond.notify_all()
-                else:
-                    self._trim_backlog()
+                if outcome != "applied":
                     self._stop.wait(0.5)
 
-    def _write(self, batch: list[CacheEvent]) -> bool:
+    def _write(self, batch: list[CacheEvent]) -> str:
+        """Mirror ``batch``: "applied"; "retry" (the index is unavailable: kept
+        for replay); "dropped" (any other error: the batch is lost, and since it
+        may have held a removal, this instance's entries are cleared before the
+        next batch: the index may under-claim, never claim what is gone)."""
         assert self.index is not None
         try:
-            if not self._cleared:  # a restarted actor: its predecessor's entries are gone
+            if not self._cleared:  # a restarted actor, or a batch was lost: start from empty
                 self.index.clear_local(self.instance)
                 self._cleared = True
             self.index.apply_local(self.instance, batch)
@@ -187,15 +193,17 @@ class CachePublisher:
             with self._cond:
                 self._healthy = False
                 self._cond.notify_all()  # a waiting flush gives up
-            return False
+            return "retry"
         except Exception:
-            logger.exception("cache events not published (dropped)")
+            logger.exception("%d cache events not published (dropped; this instance's entries are cleared)", len(batch))
+            with self._cond:
+                self._cleared = False
             self._count_dropped(batch)
-            return True
+            return "dropped"
         self._healthy = True
         with self.stats_lock:
             self.counters.cache_events_published += len(batch)
-        return True
+        return "applied"
 
     def _trim_backlog(self) -> None:
         with self._cond:

@@ -16,6 +16,7 @@ from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
+from hybridpd.procs import free_port
 from services.prefill.actor import PrefillWorker
 from services.router.routing import choose
 from services.worker.messages import PrefillCommand
@@ -89,6 +90,82 @@ def test_events_of_an_outage_are_replayed_in_order(tmp_path: Path) -> None:
         wait_until(replayed, 15, 0.2, "the outage's events replayed in the index", retry_on=(UnavailableError,))
     finally:
         w.close()
+        srv.stop()
+
+
+def _kv_claimed(index: PrefixIndex) -> set:
+    return index.local_entries(NAME)[0]
+
+
+def test_a_failover_replica_keeps_the_batch_for_replay(tmp_path: Path) -> None:
+    """Redis answers READONLY (the server became a replica, as in a failover):
+    a transient error, so the removals are kept and replayed once it is a
+    master again, and nothing is dropped (not cleared, not stale)."""
+    import redis
+
+    srv = RedisServer(tmp_path)
+    srv.start()
+    eng = ToyEngine(capacity=4)
+    w = PrefillWorker(load_config(env={}), NAME, srv.url, None, None, engine=eng)
+    index = PrefixIndex(srv.url, eng.model_id)
+    admin = redis.Redis.from_url(srv.url)
+    try:
+        a = _req("a", 1)
+        w.prefill(PrefillCommand(a))
+        assert _kv_claimed(index) == set(eng.cache)
+        admin.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # a master that never answers
+        for i, seed in enumerate((2, 3)):  # evicts a's blocks while writes are refused
+            w.prefill(PrefillCommand(_req("x%d" % i, seed)))
+        assert eng.local_hit(a.prompt_token_ids) == 0 and _kv_claimed(index) != set(eng.cache)
+        admin.execute_command("REPLICAOF", "NO", "ONE")
+
+        def replayed() -> bool | Pending:
+            kv = _kv_claimed(index)
+            return kv == set(eng.cache) or Pending("%d claimed, %d cached" % (len(kv), len(eng.cache)))
+
+        wait_until(replayed, 15, 0.1, "the refused events replayed", retry_on=(UnavailableError,))
+        assert w.stats()["cache_events_dropped"] == 0
+    finally:
+        w.close()
+        admin.close()
+        srv.stop()
+
+
+def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tmp_path: Path) -> None:
+    """An error that is not an outage (here: the operator's ACL denies HDEL)
+    loses a batch that held removals. The publisher then clears this
+    instance's entries before the next batch: the index may under-claim for a
+    while, never claim the evicted prefix."""
+    import redis
+
+    srv = RedisServer(tmp_path)
+    srv.start()
+    eng = ToyEngine(capacity=4)
+    w = PrefillWorker(load_config(env={}), NAME, srv.url, None, None, engine=eng)
+    index = PrefixIndex(srv.url, eng.model_id)
+    admin = redis.Redis.from_url(srv.url)
+    try:
+        a = _req("a", 1)
+        w.prefill(PrefillCommand(a))
+        a_blocks = set(eng.cache)
+        assert _kv_claimed(index) == a_blocks
+        admin.execute_command("ACL", "SETUSER", "default", "-hdel")
+        for i, seed in enumerate((2, 3)):
+            w.prefill(PrefillCommand(_req("x%d" % i, seed)))
+        assert eng.local_hit(a.prompt_token_ids) == 0  # a was evicted; its removal was refused
+
+        def not_claimed() -> bool | Pending:
+            stale = _kv_claimed(index) & a_blocks
+            return not stale or Pending("%d evicted blocks still claimed" % len(stale))
+
+        wait_until(not_claimed, 10, 0.1, "the evicted prefix no longer claimed")
+        assert w.stats()["cache_events_dropped"] >= 1
+        admin.execute_command("ACL", "SETUSER", "default", "+hdel")
+        w.prefill(PrefillCommand(_req("y", 4)))
+        assert _kv_claimed(index) <= set(eng.cache) and _kv_claimed(index)  # publishing again, truthfully
+    finally:
+        w.close()
+        admin.close()
         srv.stop()
 
 
