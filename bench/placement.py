@@ -150,7 +150,9 @@ def _plot(path: Path, out: dict[str, Any]) -> None:
         panels["hit / ideal"][label] = {n: (row[key] or {}).get("hit_ratio", 0.0) for n, row in w.items()}
         panels["states written"][label] = {n: float((row[key] or {}).get("states", 0)) for n, row in w.items()}
     plot_grouped(
-        path, panels, "checkpoint placement replay, at most %d placed per prefill" % out["replay"]["placement_checkpoints"]
+        path,
+        panels,
+        "checkpoint placement replay, at most %d placed per prefill" % out["replay"]["placement_checkpoints"],
     )
 
 

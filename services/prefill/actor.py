@@ -120,7 +120,8 @@ class PrefillWorker(WorkerBase):
             self.engine,
             self.loop,
             self.publisher.flush,
-            self._count,
+            self.counters,
+            self.stats_lock,
             self._observe,
             self._tag_answer,
             max_recompute=4 * cfg.max_num_batched_tokens,
@@ -245,10 +246,6 @@ class PrefillWorker(WorkerBase):
         """Make ``req`` (a finished chat's prompt + answer, ``background``) part of the
         cached prefix at low priority (``answers.py``); returns at once."""
         return self.answers.submit(req)
-
-    def _count(self, counter: str, n: int) -> None:
-        with self.stats_lock:
-            setattr(self.counters, counter, getattr(self.counters, counter) + n)
 
     def _tag_answer(self, req: EngineRequest) -> None:
         """Count the bytes of ``req``'s tail checkpoint export as an answer's."""

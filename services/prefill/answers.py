@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from hybridpd.engine.base import Engine, EngineRequest
 from services.worker.engine_loop import EngineLoop
+from services.worker.metrics import PrefillCounters
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +50,19 @@ class AnswerCheckpoints:
         engine: Engine,
         loop: EngineLoop,
         flush: Callable[[float], bool],
-        count: Callable[[str, int], None],
+        counters: PrefillCounters,
+        counters_lock: threading.Lock,
         observe: Callable[[str, float], None],
         tag: Callable[[EngineRequest], None] = lambda req: None,
         max_recompute: int = 2048,
     ) -> None:
         """``flush(timeout)`` waits until the engine's cache events are in the index;
-        ``count(counter, n)`` adds to a worker counter; ``observe(histogram, s)``;
+        ``counters`` are the worker's (written under ``counters_lock``); ``observe(histogram, s)``;
         ``tag(req)`` marks the checkpoint ``req`` will export as an answer's;
         ``max_recompute``: skip an answer whose prefill would compute more (its
         prompt's checkpoint is gone here)."""
-        self.engine, self.loop, self.flush, self.count, self.observe = engine, loop, flush, count, observe
+        self.engine, self.loop, self.flush, self.observe = engine, loop, flush, observe
+        self.counters, self.counters_lock = counters, counters_lock
         self.tag = tag
         #: an answer whose prefill would compute more tokens than this is skipped
         self.max_recompute = max_recompute
@@ -75,7 +78,8 @@ class AnswerCheckpoints:
         budget others leave, vLLM only while no foreground request is live
         (``engine/vllm/background.py``)."""
         if not req.background:
-            self.count("answer_checkpoints_skipped", 1)
+            with self.counters_lock:
+                self.counters.answer_checkpoints_skipped += 1
             return False
         with self._cond:
             self._queue.append((req, time.perf_counter()))
@@ -84,7 +88,8 @@ class AnswerCheckpoints:
                 self._queue.popleft()
             self._cond.notify()
         if dropped > 0:
-            self.count("answer_checkpoints_dropped", dropped)
+            with self.counters_lock:
+                self.counters.answer_checkpoints_dropped += dropped
         return True
 
     def pending(self) -> int:
@@ -102,14 +107,16 @@ class AnswerCheckpoints:
                 self._one(req, t0)
             except Exception:  # a failed answer checkpoint costs a later hit, never a request
                 logger.exception("answer checkpoint of %s failed", req.request_id)
-                self.count("answer_checkpoints_failed", 1)
+                with self.counters_lock:
+                    self.counters.answer_checkpoints_failed += 1
 
     def _one(self, req: EngineRequest, t0: float) -> None:
         with self.loop.lock:
             hit = self.engine.local_hit(list(req.prompt_token_ids), req.cache_salt)
         if len(req.prompt_token_ids) - hit > self.max_recompute:
             # the prompt's checkpoint is gone here: recomputing a long conversation is not worth it
-            self.count("answer_checkpoints_skipped", 1)
+            with self.counters_lock:
+                self.counters.answer_checkpoints_skipped += 1
             return
         self.tag(req)
         q = self.loop.submit(req.request_id, lambda: self.engine.add_request(req, prefill_only=False))
@@ -124,8 +131,9 @@ class AnswerCheckpoints:
             if out.finished:
                 break
         self.flush(0.25)
-        self.count("answer_checkpoints", 1)
-        self.count("answer_checkpoint_tokens", out.num_prompt_tokens - out.num_cached_tokens)
+        with self.counters_lock:
+            self.counters.answer_checkpoints += 1
+            self.counters.answer_checkpoint_tokens += out.num_prompt_tokens - out.num_cached_tokens
         self.observe("answer_publish_seconds", time.perf_counter() - t0)
         logger.debug(
             "answer checkpoint %s: %d tokens, %d cached", req.request_id, out.num_prompt_tokens, out.num_cached_tokens

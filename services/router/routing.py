@@ -48,10 +48,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from hybridpd.checkpoints import checkpoint_position, is_checkpoint_valid
 
 STORE_LOAD_COST = 0.1
+
+
+#: why a request went where it went (the ``hybridpd_routing_decisions_total`` label):
+#: by the index (local_hit, store_hit, miss), without it (index_unavailable), pinned by
+#: the client (forced), prefix caching off (round_robin), or a second try after a failure (retry)
+RouteKind = Literal["local_hit", "store_hit", "miss", "index_unavailable", "forced", "round_robin", "retry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +67,7 @@ class RouteDecision:
     expected_hit: int
     store_hit: int
     local_hit: int
-    kind: str  # "local_hit" | "store_hit" | "miss" | "index_unavailable" | "forced"
+    kind: RouteKind
 
 
 def dispatch_work(num_tokens: int, decision: RouteDecision) -> float:
@@ -90,6 +97,7 @@ def choose(
 
     best = min(instances, key=cost)
     local = local_hits.get(best, 0)
+    kind: RouteKind
     if not index_ok:
         kind = "index_unavailable"
     elif local > 0 and local >= store_hit:

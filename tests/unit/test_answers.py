@@ -232,32 +232,31 @@ def test_the_answer_worker_caches_prompt_and_answer_or_skips_a_long_recompute() 
     from hybridpd.engine.native.engine import NativeEngine
     from services.prefill.answers import AnswerCheckpoints
     from services.worker.engine_loop import EngineLoop
+    from services.worker.metrics import PrefillCounters
+    from tests.wait import wait_until
 
     eng = NativeEngine(load_config(env={}, overrides={"num_kv_blocks": 64}))
     loop = EngineLoop(eng)
-    counts: dict[str, int] = {}
-    cond = threading.Condition()
+    counters, lock = PrefillCounters(), threading.Lock()
 
-    def count(name: str, n: int) -> None:
-        with cond:
-            counts[name] = counts.get(name, 0) + n
-            cond.notify_all()
+    def counted() -> tuple[int, int, int]:
+        with lock:
+            return counters.answer_checkpoints, counters.answer_checkpoint_tokens, counters.answer_checkpoints_skipped
 
-    def until(name: str) -> bool:
-        with cond:
-            return cond.wait_for(lambda: name in counts, 60)
-
-    worker = AnswerCheckpoints(eng, loop, lambda t: True, count, lambda n, s: None, max_recompute=100)
+    worker = AnswerCheckpoints(eng, loop, lambda t: True, counters, lock, lambda n, s: None, max_recompute=100)
     try:
         ids = tuple(range(10, 10 + 90))
         assert worker.submit(EngineRequest(RequestId("a1"), ids, SamplingParams(max_tokens=1), background=True))
-        assert until("answer_checkpoint_tokens") and counts == {"answer_checkpoints": 1, "answer_checkpoint_tokens": 90}
+        wait_until(lambda: counted()[0] == 1, 60, what="the answer checkpoint")
+        assert counted() == (1, 90, 0)
         with loop.lock:
             assert eng.local_hit([*ids, 7, 8], None) == 80  # the tail checkpoint of prompt + answer
         long = tuple(range(200, 200 + 150))  # nothing cached: 150 tokens to compute > 100
         assert worker.submit(EngineRequest(RequestId("a2"), long, SamplingParams(max_tokens=1), background=True))
-        assert until("answer_checkpoints_skipped") and counts["answer_checkpoints_skipped"] == 1
+        wait_until(lambda: counted()[2] == 1, 60, what="the long answer skipped")
+        assert counted() == (1, 90, 1)
         assert not worker.submit(EngineRequest(RequestId("a3"), ids, SamplingParams(max_tokens=1)))  # not background
+        assert counted() == (1, 90, 2)
     finally:
         worker.close()
         loop.close()
