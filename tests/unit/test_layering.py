@@ -1,0 +1,57 @@
+"""The top-level packages form layers: hybridpd <- services <- launch <- bench.
+
+Read from the source (every ``import`` and ``from ... import``, function-level
+ones included), so a lazy import cannot hide a cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("hybridpd", "services", "launch", "bench")
+
+
+def _imports() -> dict[tuple[str, str], list[str]]:
+    """(importer package, imported package) -> the files with such an import."""
+    edges: dict[tuple[str, str], list[str]] = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    top = name.split(".")[0]
+                    if top in PACKAGES and top != pkg:
+                        edges.setdefault((pkg, top), []).append(str(path.relative_to(ROOT)))
+    return edges
+
+
+def test_no_two_top_level_packages_import_each_other() -> None:
+    edges = _imports()
+    cycles = {(a, b): (edges[(a, b)], edges[(b, a)]) for a, b in edges if (b, a) in edges and a < b}
+    assert not cycles, cycles
+
+
+def test_each_package_imports_only_the_layers_below_it() -> None:
+    rank = {pkg: i for i, pkg in enumerate(PACKAGES)}
+    upward = {edge: files for edge, files in _imports().items() if rank[edge[1]] > rank[edge[0]]}
+    assert not upward, upward
+
+
+def test_the_bench_commands_join_the_cli_as_a_plugin() -> None:
+    from click.testing import CliRunner
+
+    from launch.cli import cli
+
+    res = CliRunner().invoke(cli, ["bench", "--help"])
+    assert res.exit_code == 0, res.output
+    assert "placement" in res.output and "shared-prefix" in res.output
