@@ -69,9 +69,9 @@ class Encoders:
 
 def native_encoders() -> Encoders:
     """The router's tokenization (the bundled model's assets)."""
-    import hybridpd
+    from hybridpd.model_files import TOKENIZER_DIR
 
-    return router_encoders(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+    return router_encoders(TOKENIZER_DIR)
 
 
 def router_encoders(tokenizer_dir: Path) -> Encoders:

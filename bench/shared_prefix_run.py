@@ -42,10 +42,10 @@ from bench.vllm_direct import vllm_venv
 
 def native_chat_encoder() -> ChatEncoder:
     """The router's tokenization of chat messages (the bundled model's assets)."""
-    import hybridpd
+    from hybridpd.model_files import TOKENIZER_DIR
     from hybridpd.tokenizer import ChatMessage, TextTokenizer
 
-    tok = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+    tok = TextTokenizer(TOKENIZER_DIR)
     return lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs])
 
 

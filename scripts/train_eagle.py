@@ -45,6 +45,7 @@ from hybridpd.engine.native.model import Work
 from hybridpd.engine.native.ops import rms_norm
 from hybridpd.engine.native.tiny import ASSETS, BUNDLED
 from hybridpd.engine.native.weights import init_draft_weights, save_weights, weights_digest
+from hybridpd.model_files import TOKENIZER_DIR
 
 
 def main() -> None:
@@ -63,7 +64,7 @@ def main() -> None:
     torch.manual_seed(0)
     rng = random.Random(0)
 
-    tok = Tokenizer.from_file(str(ASSETS / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
     texts = [t for t in corpus.train_texts() if len(t) > 400]
     rng.shuffle(texts)
     prompts = [tok.encode(t, add_special_tokens=False).ids[: args.prompt_len] for t in texts[: args.sequences]]

@@ -5,7 +5,7 @@
 Corpus: the docstrings and comments of this Python's standard library (on
 every machine, no download). Writes ``tokenizer.json`` and
 ``tokenizer_config.json`` (chat template, special tokens) into
-``hybridpd/engine/native/assets/``; both are committed.
+``hybridpd/assets/``; both are committed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-ASSETS = Path(__file__).resolve().parents[1] / "hybridpd" / "engine" / "native" / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "hybridpd" / "assets"
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -15,15 +15,14 @@ import asyncio
 import inspect
 import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-import hybridpd
 from hybridpd.engine.base import EngineRequest, HandoffTicket
+from hybridpd.model_files import TOKENIZER_DIR
 from hybridpd.tokenizer import TextTokenizer
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
-TOK = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+TOK = TextTokenizer(TOKENIZER_DIR)
 TEXT = " Hello world, the STOP here. héllo 日本 and more text, to the end."
 #: 36 ids: 0 ' H', 1 'e', 2 'll', 3 'o', ..., 8 ' the', 9 ' S', 10 'T', 11 'O', 12 'P', 13 ' he',
 #: 16 ' h', 17-18 'é' (two bytes), 21 ' ', 22-24 '日', 25-27 '本', 28 ' and', ...

@@ -4,12 +4,11 @@ whatever the chunking, with multi-byte characters never split."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
-import hybridpd
+from hybridpd.model_files import TOKENIZER_DIR
 from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 
-TOK = TextTokenizer(Path(hybridpd.__file__).parent / "engine" / "native" / "assets")
+TOK = TextTokenizer(TOKENIZER_DIR)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

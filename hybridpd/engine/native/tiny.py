@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import os
 import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.weights import init_weights, save_weights, weights_digest
+from hybridpd.model_files import TOKENIZER_DIR, TOKENIZER_FILES, build_atomically, home
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +40,6 @@ TINY_CONFIG = HybridModelConfig()
 #: ``tiny``: trained by ``scripts/train_tiny.py``; weights committed in ``assets/tiny.safetensors``.
 TRAINED_CONFIG = HybridModelConfig(num_layers=4)
 ASSETS = Path(__file__).parent / "assets"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 #: bundled model name -> (config, committed weights or None for seeded random, committed draft head)
 BUNDLED = {
     "tiny": (TRAINED_CONFIG, "tiny.safetensors", "draft.safetensors"),
@@ -50,35 +47,16 @@ BUNDLED = {
 }
 
 
-def home() -> Path:
-    return Path(os.environ.get("HYBRIDPD_HOME", Path.home() / ".cache" / "hybridpd"))
-
-
 def _digest(model: str) -> str:
     cfg, weights, draft = BUNDLED[model]
     h = hashlib.sha256(cfg.to_json().encode() + str(TINY_SEED).encode())
-    for name in (*TOKENIZER_FILES, weights, draft):
+    for name in TOKENIZER_FILES:
+        h.update((TOKENIZER_DIR / name).read_bytes())
+    for name in (weights, draft):
         p = ASSETS / name if name else None
         if p is not None and p.exists():
             h.update(p.read_bytes())
     return h.hexdigest()[:12]
-
-
-def build_atomically(out: Path, write: Callable[[Path], None]) -> Path:
-    """Run ``write(tmp_dir)`` beside ``out``, then rename it to ``out`` (a concurrent
-    builder that wins the race is kept; ours is dropped)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".build-"))
-    try:
-        write(tmp)
-        try:
-            tmp.rename(out)
-        except OSError:  # another process won the race
-            shutil.rmtree(tmp, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def build_tiny(out: Path, model: str = "tiny") -> Path:
@@ -93,7 +71,7 @@ def build_tiny(out: Path, model: str = "tiny") -> Path:
             weights = {k: v.float() for k, v in load_file(str(ASSETS / weights_file)).items()}
         save_weights(tmp / "model.safetensors", weights, {"sha256": weights_digest(weights)})
         for name in TOKENIZER_FILES:
-            shutil.copy(ASSETS / name, tmp / name)
+            shutil.copy(TOKENIZER_DIR / name, tmp / name)
         if (ASSETS / draft).exists():
             shutil.copy(ASSETS / draft, tmp / "draft.safetensors")
 

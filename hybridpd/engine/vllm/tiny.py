@@ -5,7 +5,7 @@
 The config is ``assets/tiny-qwen3next.json`` (shared/fixtures' tiny Qwen3-Next
 with our 2,048-token BPE vocabulary); weights come from transformers'
 ``from_config`` under a fixed seed and are saved with ``save_pretrained``;
-the tokenizer is the native tiny model's, so the router tokenizes exactly as
+the tokenizer is the bundled one (``hybridpd/model_files.py``), so the router tokenizes exactly as
 vLLM does. Needs transformers (the vLLM environment has it).
 """
 
@@ -17,8 +17,7 @@ import json
 import shutil
 from pathlib import Path
 
-from hybridpd.engine.native.tiny import ASSETS as NATIVE_ASSETS
-from hybridpd.engine.native.tiny import build_atomically, home
+from hybridpd.model_files import TOKENIZER_DIR, TOKENIZER_FILES, build_atomically, home
 
 CONFIG = Path(__file__).parent / "assets" / "tiny-qwen3next.json"
 SEED = 1234
@@ -27,8 +26,8 @@ NAME = "tiny-qwen3next"
 
 def _digest() -> str:
     h = hashlib.sha256(CONFIG.read_bytes() + str(SEED).encode())
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        h.update((NATIVE_ASSETS / name).read_bytes())
+    for name in TOKENIZER_FILES:
+        h.update((TOKENIZER_DIR / name).read_bytes())
     return h.hexdigest()[:12]
 
 
@@ -42,8 +41,8 @@ def build(out: Path) -> Path:
         config = AutoConfig.for_model(**json.loads(CONFIG.read_text()))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         model.save_pretrained(tmp, safe_serialization=True)
-        shutil.copy(NATIVE_ASSETS / "tokenizer.json", tmp / "tokenizer.json")
-        tok_cfg = json.loads((NATIVE_ASSETS / "tokenizer_config.json").read_text())
+        shutil.copy(TOKENIZER_DIR / "tokenizer.json", tmp / "tokenizer.json")
+        tok_cfg = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
         tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"  # so HF/vLLM load the same tokenizer
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
 
