@@ -12,11 +12,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hybridpd.auth import ApiKeys
-from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.errors import HybridPDError, InvalidRequestError, describe, grpc_code
+from hybridpd.errors import HybridPDError, describe, grpc_code
 from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2, generate_pb2_grpc
 from services.router.orchestrator import Orchestrator
+from services.router.request_builder import ApiRequest, Built, Sampling, build
 
 _REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -36,46 +36,38 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         auth = meta.get("authorization")
         return self.keys.tenant(auth if isinstance(auth, str) else None)
 
-    def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> EngineRequest:
-        if msg.model and msg.model != self.served_model:
-            raise InvalidRequestError("model %r is not served here (serving %r)" % (msg.model, self.served_model))
+    def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> Built:
+        """Parse ``msg`` (proto3: 0 / empty means unset) and build it as HTTP does
+        (``request_builder.build``: chat with boundaries and answer checkpoints)."""
         which = msg.WhichOneof("prompt")
-        tok = self.orch.tokenizer
-        if which == "text":
-            tokens = tok.encode(msg.text)
-        elif which == "token_ids":
-            tokens = list(msg.token_ids.ids)
-        elif which == "chat":
-            if not msg.chat.messages:
-                raise InvalidRequestError("chat needs at least one message")
-            tokens = tok.apply_chat_template([ChatMessage(m.role, m.content) for m in msg.chat.messages])
-        else:
-            raise InvalidRequestError("one of text, token_ids or chat is required")
-        s = msg.sampling  # ranges: checked on admission (hybridpd/validation.py), as for HTTP
-        sp = SamplingParams(
-            max_tokens=s.max_tokens or 16,
-            temperature=s.temperature,
-            top_p=s.top_p or 1.0,
-            top_k=s.top_k,
-            seed=s.seed if s.has_seed else None,
-            stop_token_ids=() if s.ignore_eos else tok.stop_token_ids,  # the tokenizer's end-of-turn ids are EOS too
-            ignore_eos=s.ignore_eos,
+        s = msg.sampling
+        api = ApiRequest(
+            msg.request_id or uuid.uuid4().hex,
+            msg.model or self.served_model,
+            Sampling(
+                max_tokens=s.max_tokens or None,
+                temperature=s.temperature,
+                top_p=s.top_p or 1.0,
+                top_k=s.top_k,
+                seed=s.seed if s.has_seed else None,
+                ignore_eos=s.ignore_eos,
+            ),
+            text=msg.text if which == "text" else None,
+            token_ids=tuple(msg.token_ids.ids) if which == "token_ids" else None,
+            messages=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages) if which == "chat" else None,
+            cache_salt=msg.cache_salt or None,
+            checkpoints=tuple(msg.checkpoints),
+            tenant=tenant,
         )
-        if len(msg.cache_salt) > 256:
-            raise InvalidRequestError("cache_salt longer than 256 characters")
-        rid = msg.request_id or uuid.uuid4().hex
-        if len(rid) > 128:
-            raise InvalidRequestError("request_id longer than 128 characters")
-        salt = ApiKeys.salt(tenant, msg.cache_salt or None)
-        return EngineRequest(RequestId(rid), tuple(tokens), sp, salt, tuple(msg.checkpoints))
+        return build(api, self.orch, self.served_model)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            req = self._request(request, self._tenant(context))
-            stop = tuple(request.sampling.stop)
-            async for ev in self.orch.stream(req, "grpc", None, stop):
+            built = self._request(request, self._tenant(context))
+            req, stop = built.request, tuple(request.sampling.stop)
+            async for ev in self.orch.stream(req, "grpc", None, stop, built.answer):
                 resp = generate_pb2.GenerateResponse(
                     request_id=req.request_id, token_ids=list(ev.token_ids), text=ev.text
                 )

@@ -13,8 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -24,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hybridpd.auth import ApiKeys
-from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import (
     AuthError,
     HybridPDError,
@@ -40,12 +39,11 @@ from services.router.answers import AnswerPlan
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event
+from services.router.request_builder import ApiRequest, Sampling, build
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
-DEFAULT_MAX_TOKENS = 16
-DEFAULT_CHAT_MAX_TOKENS = 256
 #: fault -> the kind of instance it is injected into
 FAULT_KINDS = {"corrupt_next_handoff": "prefill", "delay_next_handoff_read": "decode"}
 
@@ -146,66 +144,37 @@ async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
 # -- generation -------------------------------------------------------------------------
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, st: State) -> Response:
-    tokens = list(body.prompt) if isinstance(body.prompt, list) else st.orch.tokenizer.encode(body.prompt)
-    if not tokens:
-        raise InvalidRequestError("prompt tokenizes to nothing")
-    req = _engine_request(
-        st, body, tokens, request.state.request_id, DEFAULT_MAX_TOKENS, request.state.tenant, body.hybridpd_checkpoints
+    prompt = body.prompt
+    api = replace(
+        _api_request(body, request),
+        text=prompt if isinstance(prompt, str) else None,
+        token_ids=tuple(prompt) if isinstance(prompt, list) else None,
+        checkpoints=tuple(body.hybridpd_checkpoints or ()),
     )
-    return await _generate(st, body, req, "completions", "text")
+    built = build(api, st.orch, st.served_model)
+    return await _generate(st, body, built.request, "completions", "text")
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
-    orch, cfg = st.orch, st.orch.cfg
-    salt = ApiKeys.salt(request.state.tenant, body.cache_salt)
-    recall = partial(orch.answers.recall, salt) if cfg.answer_checkpoints else None
-    chat = orch.tokenizer.chat_prompt([ChatMessage(m.role, m.content) for m in body.messages], recall=recall)
-    # branch-aware: checkpoint where the system prompt's shared part ends and where the last
-    # user turn starts, so the first conversation already leaves them reusable
-    marks = list(chat.boundaries) if cfg.checkpoint_policy == "branch-aware" else []
-    req = _engine_request(
-        st, body, chat.ids, request.state.request_id, DEFAULT_CHAT_MAX_TOKENS, request.state.tenant, marks
-    )
-    if chat.answer_span is not None:
-        a0, a1 = chat.answer_span
-        answer = body.messages[max(i for i, m in enumerate(body.messages) if m.role == "assistant")].content
-        same = orch.tokenizer.encode(answer) == chat.ids[a0:a1]
-        orch.metrics.answer_retokenized.labels("same" if same else "differs").inc()
-    plan = None
-    if body.hybridpd_answer_checkpoint if body.hybridpd_answer_checkpoint is not None else cfg.answer_checkpoints:
-        plan = AnswerPlan(salt, chat.text, chat.answer_span)
-    return await _generate(st, body, req, "chat", "chat", plan)
+    msgs = tuple(ChatMessage(m.role, m.content) for m in body.messages)
+    api = replace(_api_request(body, request), messages=msgs, answer_checkpoint=body.hybridpd_answer_checkpoint)
+    built = build(api, st.orch, st.served_model)
+    return await _generate(st, body, built.request, "chat", "chat", built.answer)
 
 
-def _engine_request(
-    st: RouterState,
-    body: _Common,
-    tokens: list[int],
-    rid: str,
-    default_max: int,
-    tenant: str | None,
-    checkpoints: list[int] | None = None,
-) -> EngineRequest:
-    """The EngineRequest for a body (ranges are checked by the orchestrator's admission)."""
-    if body.model != st.served_model:
-        raise NotFoundError("model %r is not served here (serving %r)" % (body.model, st.served_model))
-    cfg, tok = st.orch.cfg, st.orch.tokenizer
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, min(default_max, cfg.max_model_len - len(tokens)))
-    sp = SamplingParams(
-        max_tokens=max_tokens,
+def _api_request(body: _Common, request: Request) -> ApiRequest:
+    """The fields both endpoints share (``request_builder.build`` decides the rest)."""
+    sampling = Sampling(
+        max_tokens=body.max_completion_tokens or body.max_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
         top_k=body.top_k,
         seed=body.seed,
-        stop_token_ids=() if body.ignore_eos else tok.stop_token_ids,  # end-of-turn ids are EOS too
         ignore_eos=body.ignore_eos,
     )
-    return EngineRequest(
-        RequestId(rid), tuple(tokens), sp, ApiKeys.salt(tenant, body.cache_salt), tuple(checkpoints or ())
-    )
+    rid, tenant = request.state.request_id, request.state.tenant
+    return ApiRequest(rid, body.model, sampling, cache_salt=body.cache_salt, tenant=tenant)
 
 
 async def _generate(

@@ -124,3 +124,46 @@ def test_answer_checkpoint_off_per_request_and_after_a_stop_string(client: OpenA
     )
     assert _answers_requested(stack) == requested + 1  # neither the opted-out nor the cut answer
     assert _answers_done(stack) == before + 1
+
+
+def _grpc_chat(stack: Stack, msgs: list[dict[str, str]]) -> tuple[list[int], str, object]:
+    """One gRPC chat (greedy, 40 tokens): (generated ids, text, the final usage)."""
+    import grpc
+
+    from hybridpd.v1 import generate_pb2 as pb
+    from hybridpd.v1 import generate_pb2_grpc as pb_grpc
+
+    req = pb.GenerateRequest(
+        model="tiny",
+        chat=pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in msgs]),
+        sampling=pb.SamplingParams(max_tokens=40, temperature=0.0),
+    )
+    with grpc.insecure_channel(stack.grpc) as channel:
+        out = list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+    assert out[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+    return [t for m in out for t in m.token_ids], "".join(m.text for m in out), out[-1].usage
+
+
+def test_a_grpc_chat_hits_its_answer_too(stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    """The same product over gRPC (one request builder): a chat's answer is made
+    reusable, and the next turn restores it, with outputs equal to a no-cache run."""
+    run, tok = reference
+    turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Why do models forget?"}]
+    p1 = tok.chat_prompt([ChatMessage(**m) for m in turn1])
+    before = _answers_done(stack)
+    gen, text, usage1 = _grpc_chat(stack, turn1)
+    assert usage1.prompt_tokens == len(p1.ids)  # type: ignore[attr-defined]
+    assert gen == run(list(p1.ids), 40)
+    _wait_answers(stack, before + 1)
+    turn2 = [*turn1, {"role": "assistant", "content": text}, {"role": "user", "content": "And how do they remember?"}]
+    head = tuple(p1.ids) + strip_stop(gen, tok.stop_token_ids)
+    ids2 = tok.chat_prompt([ChatMessage(**m) for m in turn2], recall=lambda _text: (head, len(p1.ids))).ids
+    gen2, _, usage2 = _grpc_chat(stack, turn2)
+    assert usage2.prompt_tokens == len(ids2)  # type: ignore[attr-defined]
+    answered = len(p1.ids) + len(gen)
+    shared = next((i for i, (a, b) in enumerate(zip(ids2, list(p1.ids) + gen, strict=False)) if a != b), answered)
+    assert shared >= answered - 1
+    want_hit = checkpoint_position(shared + 1, U, True)
+    assert want_hit > checkpoint_position(len(p1.ids), U, True)  # past the prompt: the answer is hit
+    assert usage2.cached_tokens == want_hit  # type: ignore[attr-defined]
+    assert gen2 == run(list(ids2), 40)

@@ -52,8 +52,8 @@ def _digest(model: str) -> str:
     h = hashlib.sha256(cfg.to_json().encode() + str(TINY_SEED).encode())
     for name in TOKENIZER_FILES:
         h.update((TOKENIZER_DIR / name).read_bytes())
-    for name in (weights, draft):
-        p = ASSETS / name if name else None
+    for asset in (weights, draft):
+        p = ASSETS / asset if asset else None
         if p is not None and p.exists():
             h.update(p.read_bytes())
     return h.hexdigest()[:12]

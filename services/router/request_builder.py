@@ -1,0 +1,131 @@
+"""One request builder for both APIs: what a client asked (HTTP or gRPC,
+completion or chat) -> the :class:`EngineRequest` and, for chat, its answer plan.
+
+The APIs only parse their wire format into an :class:`ApiRequest`; everything
+that decides what is served lives here, so HTTP and gRPC are the same product:
+
+* the served model (else NotFoundError), the prompt (text, token ids or chat
+  messages; empty is refused), lengths of ``request_id`` and ``cache_salt``;
+* chat: the template with recalled answers (``answer_checkpoints``: a
+  previous answer's text stands for the ids the model generated, so the next
+  turn's prompt extends what is cached), the message-boundary checkpoints
+  (``checkpoint_policy: branch-aware``) beside the client's positions, and
+  the :class:`AnswerPlan` that makes this answer reusable at its end;
+* sampling: ``max_tokens`` defaults to 16 (completion) or 256 (chat), clamped
+  to what the context leaves; the tokenizer's end-of-turn ids stop unless
+  ``ignore_eos``; the tenant's cache salt.
+
+Ranges (temperature, checkpoint positions, context length) are checked on
+admission (``hybridpd/validation.py``), as for every request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+from hybridpd.auth import ApiKeys
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.errors import InvalidRequestError, NotFoundError
+from hybridpd.tokenizer import ChatMessage
+from services.router.answers import AnswerPlan
+from services.router.orchestrator import Orchestrator
+
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 256
+MAX_REQUEST_ID_CHARS = 128
+MAX_CACHE_SALT_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What the client asked for; ``max_tokens`` None: the default."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ApiRequest:
+    """A parsed request of either API. Exactly one of ``text``, ``token_ids``,
+    ``messages`` is set (chat: ``messages``)."""
+
+    request_id: str
+    model: str
+    sampling: Sampling
+    text: str | None = None
+    token_ids: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    cache_salt: str | None = None
+    #: client-named checkpoint positions (token counts)
+    checkpoints: tuple[int, ...] = ()
+    #: chat: make this answer reusable (None: the config's ``answer_checkpoints``)
+    answer_checkpoint: bool | None = None
+    #: the API key's tenant (its cache salt isolates the tenant's cache)
+    tenant: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    request: EngineRequest
+    #: chat only: what the end of the request needs to make the answer reusable
+    answer: AnswerPlan | None = None
+
+
+def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
+    """The engine request (and chat plan) for ``api``; raises NotFoundError
+    (another model) or InvalidRequestError (no prompt, over-long ids)."""
+    if api.model != served_model:
+        raise NotFoundError("model %r is not served here (serving %r)" % (api.model, served_model))
+    if len(api.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id longer than %d characters" % MAX_REQUEST_ID_CHARS)
+    if api.cache_salt is not None and len(api.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError("cache_salt longer than %d characters" % MAX_CACHE_SALT_CHARS)
+    cfg, tok = orch.cfg, orch.tokenizer
+    salt = ApiKeys.salt(api.tenant, api.cache_salt)
+    checkpoints = list(api.checkpoints)
+    plan: AnswerPlan | None = None
+    if api.messages is not None:
+        if not api.messages:
+            raise InvalidRequestError("chat needs at least one message")
+        recall = partial(orch.answers.recall, salt) if cfg.answer_checkpoints else None
+        chat = tok.chat_prompt(list(api.messages), recall=recall)
+        tokens = chat.ids
+        # branch-aware: checkpoint where the system prompt's shared part ends and where the last
+        # user turn starts, so the first conversation already leaves them reusable
+        if cfg.checkpoint_policy == "branch-aware":
+            checkpoints += chat.boundaries
+        if chat.answer_span is not None:
+            a0, a1 = chat.answer_span
+            answer = next(m.content for m in reversed(api.messages) if m.role == "assistant")
+            same = tok.encode(answer) == chat.ids[a0:a1]
+            orch.metrics.answer_retokenized.labels("same" if same else "differs").inc()
+        keep = api.answer_checkpoint if api.answer_checkpoint is not None else cfg.answer_checkpoints
+        if keep:
+            plan = AnswerPlan(salt, chat.text, chat.answer_span)
+        default_max = DEFAULT_CHAT_MAX_TOKENS
+    elif api.token_ids is not None:
+        tokens, default_max = list(api.token_ids), DEFAULT_MAX_TOKENS
+    elif api.text is not None:
+        tokens, default_max = tok.encode(api.text), DEFAULT_MAX_TOKENS
+    else:
+        raise InvalidRequestError("one of a prompt (text or token ids) or chat messages is required")
+    if not tokens:
+        raise InvalidRequestError("prompt tokenizes to nothing")
+    s = api.sampling
+    max_tokens = s.max_tokens if s.max_tokens is not None else max(1, min(default_max, cfg.max_model_len - len(tokens)))
+    sp = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        stop_token_ids=() if s.ignore_eos else tok.stop_token_ids,  # the end-of-turn ids are EOS too
+        ignore_eos=s.ignore_eos,
+    )
+    req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
+    return Built(req, plan)
