@@ -52,7 +52,7 @@ def test_the_shared_system_prompt_survives_a_flood_within_the_budget(
     eng = NativeEngine(cfg, role="prefill", instance=NAMES[0], export_checkpoints=True)
     master = (mooncake_master.address, mooncake_master.metadata_url)
     w = PrefillWorker(cfg, NAMES[0], redis_server.url, *master, engine=eng)
-    w.publisher.clock = lambda: 1.0e9  # ages are turnovers only: deterministic
+    w.publisher.budget.clock = lambda: 1.0e9  # ages are turnovers only: deterministic
     index = PrefixIndex(redis_server.url, eng.model_id)
     store = w.store
     assert store is not None and w.publisher.ledger.budget_bytes == budget
@@ -187,7 +187,7 @@ def test_without_the_index_nothing_is_evicted_and_nothing_more_is_put() -> None:
         def export(i: int) -> BlockHash:
             key = BlockHash(bytes([i]) * 32)
             meta = BufferMeta("m", "state", 16, "float32", (), "delta")
-            pub._exports.put((KVExport(meta, ()), StateCheckpoint(meta, key, ())))
+            pub.writer.put(KVExport(meta, ()), StateCheckpoint(meta, key, ()))
             assert pub.settle(10)
             return key
 
