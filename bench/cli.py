@@ -1,4 +1,5 @@
-"""``hybridpd bench ...``: the benchmark commands (over 350 lines: one thin click command per benchmark).
+# Over 350 lines: one thin click command per benchmark.
+"""``hybridpd bench ...``: the benchmark commands.
 
 A plugin of the ``hybridpd`` command line (``launch/cli.py`` adds every
 command of the ``hybridpd.cli`` entry-point group, pyproject.toml), so the

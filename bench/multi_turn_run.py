@@ -1,3 +1,4 @@
+# Over 350 lines: one workload run against every variant (stack, vLLM, vLLM P/D, stack on vLLM).
 """Runs the multi-turn workload (``bench.multi_turn``: the plan and the
 arithmetic) against each variant and writes JSON + PNG + markdown
 (``hybridpd bench multi-turn``).

@@ -1,3 +1,4 @@
+# Over 350 lines: one workload run against every variant (stack, vLLM, vLLM P/D, stack on vLLM).
 """Runs the shared-prefix workload (``bench.shared_prefix``: the plan, the ideal,
 the summaries) against each variant and writes JSON + PNG + markdown
 (``hybridpd bench shared-prefix``).

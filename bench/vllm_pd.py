@@ -1,3 +1,4 @@
+# Over 350 lines: vLLM's own P/D as a baseline: two servers, the proxy, their lifecycle.
 """vLLM's own prefill/decode disaggregation: the ``vllm-pd`` baseline.
 
 What a user would run instead of hybridpd to split prefill from decode with

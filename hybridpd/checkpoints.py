@@ -1,3 +1,4 @@
+# Over 350 lines: the checkpoint protocol's rules in one place, each with its worked doctest.
 """The checkpoint protocol: the single source of where recurrent state is
 exported, promised, looked up and restored (mirrors vLLM PR #53614).
 

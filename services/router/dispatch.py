@@ -1,3 +1,4 @@
+# Over 350 lines: routing and every router-to-prefill/decode call with its retries.
 """Dispatch: where a request runs, and the calls to the actors that run it.
 
     route    tokens -> hash chain -> ONE index lookup (+ RecentPrefills)

@@ -55,3 +55,17 @@ def test_the_bench_commands_join_the_cli_as_a_plugin() -> None:
     res = CliRunner().invoke(cli, ["bench", "--help"])
     assert res.exit_code == 0, res.output
     assert "placement" in res.output and "shared-prefix" in res.output
+
+
+def test_a_source_file_over_350_lines_says_why_at_its_top() -> None:
+    """Small files named after things (docs/DESIGN.md, Style); a longer one opens
+    with ``# Over 350 lines: <why>.``"""
+    long = []
+    for pkg in (*PACKAGES, "scripts"):
+        for path in (ROOT / pkg).rglob("*.py"):
+            if "v1" in path.relative_to(ROOT).parts:  # generated
+                continue
+            text = path.read_text()
+            if text.count("\n") > 350 and not text.startswith("# Over 350 lines: "):
+                long.append("%s (%d lines)" % (path.relative_to(ROOT), text.count("\n")))
+    assert not long, long

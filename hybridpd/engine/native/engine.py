@@ -1,3 +1,4 @@
+# Over 350 lines: the engine facade: schedule, run, postprocess and the export/handoff seams.
 """NativeEngine: the reference implementation of the engine boundary (``engine/base.py``).
 
 One step is schedule -> run -> postprocess::

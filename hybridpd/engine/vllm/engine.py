@@ -1,3 +1,4 @@
+# Over 350 lines: one adapter class: the whole engine protocol over vLLM's LLMEngine.
 """vLLM behind the engine protocol: ``VllmEngine``.
 
 Drives vLLM's ``LLMEngine`` with its engine core in this process

@@ -1,3 +1,4 @@
+# Over 350 lines: one translation: every vLLM KV event kind to our cache events.
 """A vLLM engine's KV-cache events, as our cache events (``engine.base.CacheEvent``).
 
 vLLM publishes ``KVEventBatch`` messages (msgpack over ZMQ PUB) when blocks
