@@ -35,6 +35,7 @@ from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.master import MooncakeMaster
+from services.worker.api import prefill_name
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -106,8 +107,8 @@ def measure(quick: bool, repeats: int) -> dict[str, Any]:
             chain = chain + BlockHasher(unit=128, seed="x").chain(list(range(19 * 128)))  # 1,300 hashes
             index.publish_store(chain[:1000], chain[999], 1000 * 128)
             for i in range(2):
-                index.publish_local("prefill-%d" % i, chain[: 500 * (i + 1)], [chain[500 * (i + 1) - 1]])
-                index.heartbeat("prefill-%d" % i, InstanceLoad())
+                index.publish_local(prefill_name(i), chain[: 500 * (i + 1)], [chain[500 * (i + 1) - 1]])
+                index.heartbeat(prefill_name(i), InstanceLoad())
             lat, ping = [], []
             for _ in tqdm(range(n_lookups), desc="index lookups", leave=False):
                 lat.append(_timed(lambda: index.lookup(chain, 1300 * 128 + 1, 128, False)) * 1e3)

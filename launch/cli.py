@@ -125,7 +125,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     except BaseException:
         stack.stop()
         raise
-    actors = [*stack.prefill, *("decode-%d" % i for i in range(len(stack.decode)))]
+    actors = [*stack.prefill, *stack.decode]
     click.echo("hybridpd is up (logs in %s)" % wd)
     click.echo("  OpenAI HTTP          http://%s:%d/v1" % (cfg.host, cfg.http_port))
     click.echo("  gRPC                 %s:%d" % (cfg.host, cfg.grpc_port))

@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.errors import StartupError, UnavailableError
@@ -27,6 +27,11 @@ from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import listen_ports, port_open
 from hybridpd.store.master import MooncakeMaster
+from services.worker.api import DecodeClient, PrefillClient, decode_name, prefill_name
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +56,9 @@ class LocalStack:
         self.redis: RedisServer | None = None
         self.master: MooncakeMaster | None = None
         self.ray_started = False
-        self.prefill: dict[str, Any] = {}
-        self.decode: list[Any] = []
+        #: the workers' Ray actor handles, by instance name
+        self.prefill: dict[str, ActorHandle[Any]] = {}
+        self.decode: dict[str, ActorHandle[Any]] = {}
         self.model_id = ""
 
     def start(self) -> StackUrls:
@@ -166,31 +172,36 @@ class LocalStack:
             decode_opts.update(shared, resources={"hybridpd_decode": 1})
         elif self.cfg.actor_num_gpus:
             prefill_opts["num_gpus"] = decode_opts["num_gpus"] = self.cfg.actor_num_gpus
+        urls = self.urls
         self.prefill = {
-            n: PrefillActor.options(name=n, **with_env(prefill_opts, n)).remote(
-                self.cfg, n, self.urls.redis_url, self.urls.mooncake_master, self.urls.mooncake_metadata_url
+            n: cast(
+                "ActorHandle[Any]",
+                PrefillActor.options(name=n, **with_env(prefill_opts, n)).remote(
+                    self.cfg, n, urls.redis_url, urls.mooncake_master, urls.mooncake_metadata_url
+                ),
             )
             for n in self._prefill_names()
         }
-        self.decode = [
-            DecodeActor.options(name=n, **with_env(decode_opts, n)).remote(self.cfg, n) for n in self._decode_names()
-        ]
-        self._wait_ready({**self.prefill, **dict(zip(self._decode_names(), self.decode, strict=True))}, timeout_s)
-        self.model_id = ray.get(next(iter(self.prefill.values())).model_id.remote())
+        self.decode = {
+            n: cast("ActorHandle[Any]", DecodeActor.options(name=n, **with_env(decode_opts, n)).remote(self.cfg, n))
+            for n in self._decode_names()
+        }
+        self._wait_ready({**self.prefill, **self.decode}, timeout_s)
+        self.model_id = str(ray.get(next(iter(self.prefill.values())).model_id.remote()))
 
     def _prefill_names(self) -> list[str]:
-        return ["prefill-%d" % i for i in range(self.cfg.num_prefill)]
+        return [prefill_name(i) for i in range(self.cfg.num_prefill)]
 
     def _decode_names(self) -> list[str]:
-        return ["decode-%d" % i for i in range(self.cfg.num_decode)]
+        return [decode_name(j) for j in range(self.cfg.num_decode)]
 
-    def _wait_ready(self, handles: dict[str, Any], timeout_s: float) -> None:
+    def _wait_ready(self, handles: dict[str, ActorHandle[Any]], timeout_s: float) -> None:
         """Wait until every actor is constructed. The first one that fails (or the
         deadline) ends the wait at once with a StartupError naming the actor and its
         error; the actors are killed then (a Ray restart would only fail again)."""
         import ray
 
-        pending = {h.ready.remote(): name for name, h in handles.items()}
+        pending: dict[ObjectRef[Any], str] = {h.ready.remote(): name for name, h in handles.items()}
         deadline = time.monotonic() + timeout_s
         error: StartupError | None = None
         while pending and error is None:
@@ -216,7 +227,7 @@ class LocalStack:
                 ray.kill(h, no_restart=True)
             except Exception:  # already gone
                 logger.debug("kill failed", exc_info=True)
-        self.prefill, self.decode = {}, []
+        self.prefill, self.decode = {}, {}
         raise error
 
     def orchestrator(self):
@@ -227,13 +238,16 @@ class LocalStack:
 
         index = PrefixIndex(self.urls.redis_url, self.model_id) if self.urls.redis_url else None
         tok = TextTokenizer(Path(resolve_model(self.cfg)))
-        return Orchestrator(self.cfg, tok, self.model_id, index, self.prefill, self.decode, RouterMetrics())
+        prefill = {n: PrefillClient(n, h) for n, h in self.prefill.items()}
+        decode = {n: DecodeClient(n, h) for n, h in self.decode.items()}
+        return Orchestrator(self.cfg, tok, self.model_id, index, prefill, decode, RouterMetrics())
 
     async def actor_stats(self) -> dict:
         import asyncio
 
-        names = [*self.prefill, *("decode-%d" % i for i in range(len(self.decode)))]
-        refs = [h.stats.remote() for h in [*self.prefill.values(), *self.decode]]
+        handles = {**self.prefill, **self.decode}
+        names = list(handles)
+        refs = [h.stats.remote() for h in handles.values()]
         got = await asyncio.gather(*refs, return_exceptions=True)
         # an actor that is down or restarting is reported, not allowed to hide the others
         return {
@@ -243,14 +257,14 @@ class LocalStack:
 
     def stop(self) -> None:
         shared = self.cfg.actor_placement == "worker_groups"  # other router replicas still use them
-        for h in [] if shared else [*self.prefill.values(), *self.decode]:
+        for h in [] if shared else [*self.prefill.values(), *self.decode.values()]:
             try:
                 import ray
 
                 ray.get(h.close.remote(), timeout=10)
             except Exception:  # an actor that is already gone needs no closing
                 logger.debug("actor close failed", exc_info=True)
-        self.prefill, self.decode = {}, []
+        self.prefill, self.decode = {}, {}
         if self.ray_started:
             import ray
 

@@ -36,6 +36,8 @@ class DecodeWorker(WorkerBase):
 
     ``engine``: tests pass an engine built elsewhere; actors build theirs from ``cfg``."""
 
+    counters: DecodeCounters
+
     def __init__(self, cfg: HybridPDConfig, name: str, *, engine: Engine | None = None) -> None:
         with startup_guard(name):
             self._start(cfg, name, engine)
@@ -108,7 +110,7 @@ class DecodeWorker(WorkerBase):
             counters: dict[str, float] = asdict(self.counters)
         return counters, {"decode_running_requests": pool.num_running, "free_kv_blocks": pool.num_free_blocks}
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         with self.loop.lock:
             acc = self.engine.spec.mean_acceptance_length
         return {**self._base_stats(), "eagle_mean_acceptance_length": acc}

@@ -59,6 +59,8 @@ class PrefillWorker(WorkerBase):
 
     ``engine``: tests pass an engine built elsewhere; actors build theirs from ``cfg``."""
 
+    counters: PrefillCounters
+
     def __init__(
         self,
         cfg: HybridPDConfig,
@@ -275,7 +277,7 @@ class PrefillWorker(WorkerBase):
             queued = self.engine.queued_prompt_tokens()
         return InstanceLoad(queued_tokens=queued, running_requests=st.num_running, free_blocks=st.num_free_blocks)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, object]:
         hs = self._handoff_stats()
         led = self.publisher.ledger_stats()
         store_state = {

@@ -25,7 +25,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from ray.exceptions import RayActorError
 
@@ -40,13 +39,10 @@ from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
 from services.router.routing import RecentPrefills, RouteDecision, SeenPrefixes, choose, dispatch_work
+from services.worker.api import DecodeClient, PrefillClient, WorkerClient
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
-
-#: chunks a decode stream may run ahead of this router; past that the decode
-#: actor waits and merges what the engine produced meanwhile into one chunk
-STREAM_AHEAD = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,19 +72,19 @@ class Flight:
     it again (the actor is gone, or it ended the request itself)."""
 
     request_id: str
-    actors: list[Any] = field(default_factory=list)
+    actors: list[WorkerClient] = field(default_factory=list)
 
-    def hold(self, actor: Any) -> None:
+    def hold(self, actor: WorkerClient) -> None:
         if all(a is not actor for a in self.actors):
             self.actors.append(actor)
 
-    def drop(self, actor: Any) -> None:
+    def drop(self, actor: WorkerClient) -> None:
         self.actors = [a for a in self.actors if a is not actor]
 
     def abort(self) -> None:
         """Ask every holder to free the request (fire and forget)."""
         for actor in self.actors:
-            actor.abort.remote(self.request_id)
+            actor.abort(self.request_id)
 
 
 def prefill_backoff(cfg: HybridPDConfig) -> int:
@@ -101,15 +97,15 @@ def prefill_backoff(cfg: HybridPDConfig) -> int:
 class Dispatcher:
     """Routing state and actor calls of one router (event-loop confined).
 
-    ``prefill`` (name -> actor handle) and ``decode`` are the caller's
-    collections, shared, not copied."""
+    ``prefill`` and ``decode`` (name -> client) are the caller's collections,
+    shared, not copied."""
 
     def __init__(
         self,
         cfg: HybridPDConfig,
         index: PrefixIndex | None,
-        prefill: dict[str, Any],
-        decode: list[Any],
+        prefill: dict[str, PrefillClient],
+        decode: dict[str, DecodeClient],
         metrics: RouterMetrics,
     ) -> None:
         self.cfg = cfg
@@ -290,7 +286,7 @@ class Dispatcher:
         flight.hold(actor)
         self.queued[name] += work
         try:
-            pr: PrefillResult = await deadline.within(actor.prefill.remote(PrefillCommand(req, store_hit)))
+            pr = await deadline.within(actor.prefill(PrefillCommand(req, store_hit)))
         except (RayActorError, UnavailableError):
             flight.drop(actor)
             raise
@@ -308,7 +304,7 @@ class Dispatcher:
         actor = self.prefill_actors.get(instance)
         if actor is None:
             return False
-        actor.answer.remote(req)
+        actor.answer(req)
         return True
 
     # -- decode -------------------------------------------------------------------------
@@ -320,14 +316,13 @@ class Dispatcher:
         actor) before the first chunk is prefilled and decoded once more; later, or
         a second time, the request fails with UnavailableError."""
         for attempt in range(2):
-            actor = self.decode_actors[next(self._rr_decode) % len(self.decode_actors)]
+            names = sorted(self.decode_actors)
+            actor = self.decode_actors[names[next(self._rr_decode) % len(names)]]
             flight.hold(actor)
-            gen = actor.generate.options(
-                num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD
-            ).remote(pr, req)
+            stream = actor.generate(pr, req)
             started = False
             try:
-                while (chunk := await deadline.within(_next_chunk(gen))) is not None:
+                while (chunk := await deadline.within(stream.next())) is not None:
                     started = True
                     yield chunk
                 return
@@ -349,13 +344,3 @@ class Dispatcher:
         if pr2.token_ids != pr.token_ids or not pr2.has_handoff:
             raise UnavailableError("re-prefill of %s diverged from the token already sent" % req.request_id) from None
         return pr2
-
-
-async def _next_chunk(gen: Any) -> TokenChunk | None:
-    """The next chunk of a Ray streaming generator (its next ref, then the object), None at its end."""
-    try:
-        ref = await gen.__anext__()
-    except StopAsyncIteration:
-        return None
-    chunk: TokenChunk = await ref
-    return chunk

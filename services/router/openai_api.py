@@ -12,7 +12,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
@@ -40,6 +40,7 @@ from services.router.openai_models import ChatCompletionRequest, CompletionReque
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event
 from services.router.request_builder import ApiRequest, Sampling, build
+from services.worker.api import WorkerClient
 
 logger = logging.getLogger(__name__)
 
@@ -240,10 +241,10 @@ async def faults(body: dict[str, str], st: State) -> dict:
     for kind, instance in body.items():
         if kind not in FAULT_KINDS:
             raise InvalidRequestError("unknown fault %r (known: %s)" % (kind, ", ".join(FAULT_KINDS)))
-        actors = orch.prefill if FAULT_KINDS[kind] == "prefill" else orch.decode_by_name
+        actors: Mapping[str, WorkerClient] = orch.prefill if FAULT_KINDS[kind] == "prefill" else orch.decode
         if instance not in actors:
             raise InvalidRequestError("no %s instance %r" % (FAULT_KINDS[kind], instance))
-        await actors[instance].inject_fault.remote(kind)
+        await actors[instance].inject_fault(kind)
     return {"ok": True}
 
 

@@ -26,7 +26,6 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
 
 from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
@@ -39,6 +38,7 @@ from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.dispatch import Dispatcher, Flight
 from services.router.metrics import RouterMetrics
 from services.router.output import Event, OutputProcessor
+from services.worker.api import DecodeClient, PrefillClient
 from services.worker.messages import PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
@@ -74,8 +74,8 @@ class Orchestrator:
         tokenizer: TextTokenizer,
         model_id: str,
         index: PrefixIndex | None,
-        prefill: dict[str, Any],
-        decode: list[Any],
+        prefill: dict[str, PrefillClient],
+        decode: dict[str, DecodeClient],
         metrics: RouterMetrics,
     ) -> None:
         self.cfg = cfg
@@ -83,7 +83,6 @@ class Orchestrator:
         self.model_id = model_id
         self.prefill = prefill
         self.decode = decode
-        self.decode_by_name = {"decode-%d" % i: d for i, d in enumerate(decode)}
         self.metrics = metrics
         self.admission = Admission(
             tokenizer.vocab_size, cfg.max_model_len, cfg.max_inflight_requests, cfg.request_timeout_s

@@ -9,13 +9,12 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine
 from hybridpd.errors import EngineError, HybridPDError, StartupError
 from services.worker.engine_loop import EngineLoop
-from services.worker.metrics import ActorMetrics
+from services.worker.metrics import ActorMetrics, DecodeCounters, PrefillCounters
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +25,9 @@ class WorkerBase:
     engine: Engine
     loop: EngineLoop
     stats_lock: threading.Lock
-    counters: Any  # a counters dataclass (services/worker/metrics.py)
+    counters: PrefillCounters | DecodeCounters
 
-    def _base_stats(self) -> dict[str, Any]:
+    def _base_stats(self) -> dict[str, object]:
         """Identity, pool accounting and counters: the part of ``stats()`` every worker has."""
         with self.loop.lock:
             pool = self.engine.stats()

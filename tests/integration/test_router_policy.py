@@ -28,6 +28,7 @@ from hybridpd.index.redis_server import RedisServer
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
 from services.worker.messages import PrefillCommand, PrefillResult
+from tests.unit.fake_actors import clients
 
 NAMES = ["prefill-0", "prefill-1"]
 
@@ -116,9 +117,9 @@ def _setup(url: str, lag: int, routers: int = 1) -> tuple[list[Orchestrator], Wo
     for name in NAMES:
         index.heartbeat(name, InstanceLoad())
     world.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
-    shared: dict[str, Any] = {name: FakePrefill(name, index, cfg, world) for name in NAMES}
+    shared, _ = clients({name: FakePrefill(name, index, cfg, world) for name in NAMES})
     orchs = [
-        Orchestrator(cfg, _Tokenizer(), "m", index, shared, [], RouterMetrics())  # type: ignore[arg-type]
+        Orchestrator(cfg, _Tokenizer(), "m", index, shared, {}, RouterMetrics())  # type: ignore[arg-type]
         for _ in range(routers)
     ]
     assert orchs[0].dispatch.hasher == world.hasher  # the fakes hash as the router does
@@ -178,7 +179,7 @@ def test_streams_in_flight_keep_their_hits(redis_server: RedisServer, lag: int) 
     assert all(c == checkpoint_position(n - 200, 16, False) for n, c in reqs), reqs
     assert _recompute_over_ideal(reqs, 200) == pytest.approx(FLOOR) and FLOOR <= 1.1
     # the load stayed spread: both instances hold streams
-    assert all(fake.kv for fake in orchs[0].prefill.values())
+    assert all(client.handle.kv for client in orchs[0].prefill.values())
 
 
 def test_two_routers_on_one_index_hit_as_much_as_one(redis_server: RedisServer) -> None:

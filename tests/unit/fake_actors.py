@@ -20,6 +20,7 @@ from typing import Any
 from hybridpd.engine.base import EngineRequest, HandoffTicket
 from hybridpd.model_files import TOKENIZER_DIR
 from hybridpd.tokenizer import TextTokenizer
+from services.worker.api import DecodeClient, PrefillClient, decode_name
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
 TOK = TextTokenizer(TOKENIZER_DIR)
@@ -145,3 +146,12 @@ class FakeDecode:
             yield done(TokenChunk(SCRIPT[pos - k : pos], last, "length" if last else None))
             if last:
                 return
+
+
+def clients(
+    prefills: dict[str, Any], decodes: Sequence[Any] = ()
+) -> tuple[dict[str, PrefillClient], dict[str, DecodeClient]]:
+    """The router's typed clients over fake handles (decode ones named ``decode-<j>``)."""
+    pre = {name: PrefillClient(name, h) for name, h in prefills.items()}
+    dec = {decode_name(j): DecodeClient(decode_name(j), h) for j, h in enumerate(decodes)}
+    return pre, dec

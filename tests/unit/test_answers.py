@@ -18,7 +18,7 @@ from hybridpd.tokenizer import ChatMessage, TextTokenizer
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
-from tests.unit.fake_actors import PROMPT, FakeDecode, FakePrefill
+from tests.unit.fake_actors import PROMPT, FakeDecode, FakePrefill, clients
 
 pytestmark = pytest.mark.unit
 
@@ -106,7 +106,8 @@ class _AnswerPrefill(FakePrefill):
 
 def _orch(prefill: Any) -> Orchestrator:
     cfg = load_config(env={}, overrides={"max_model_len": 256})
-    return Orchestrator(cfg, TOK, "m", None, {"prefill-0": prefill}, [FakeDecode()], RouterMetrics())
+    pre, dec = clients({"prefill-0": prefill}, [FakeDecode()])
+    return Orchestrator(cfg, TOK, "m", None, pre, dec, RouterMetrics())
 
 
 def _run(stop: tuple[str, ...] = (), plan: AnswerPlan | None = None, cancel_after: int | None = None) -> Any:

@@ -25,6 +25,7 @@ from hybridpd.validation import validate_checkpoints
 from services.router.dispatch import Dispatcher, Route
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteDecision, SeenPrefixes
+from tests.unit.fake_actors import clients
 
 pytestmark = pytest.mark.unit
 
@@ -139,7 +140,8 @@ def test_chat_without_a_system_prompt_or_history_has_no_boundary() -> None:
 
 # -- the junction the router adds -------------------------------------------------------------
 def _dispatcher(**cfg: Any) -> Dispatcher:
-    return Dispatcher(load_config(env={}, overrides=cfg), None, {"p": object()}, [object()], RouterMetrics())
+    pre, dec = clients({"p": object()}, [object()])  # never called: routing and placement only
+    return Dispatcher(load_config(env={}, overrides=cfg), None, pre, dec, RouterMetrics())
 
 
 def _route(hit: int, known: int) -> Route:

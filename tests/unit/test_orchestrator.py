@@ -29,7 +29,7 @@ from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, Usage
 from services.worker.messages import PrefillCommand
-from tests.unit.fake_actors import CACHED, PROMPT, SCRIPT, TOK, FakeDecode, FakePrefill
+from tests.unit.fake_actors import CACHED, PROMPT, SCRIPT, TOK, FakeDecode, FakePrefill, clients
 
 pytestmark = pytest.mark.unit
 
@@ -40,8 +40,7 @@ def _cfg(**over: Any) -> HybridPDConfig:
 
 
 def _orch(prefills: Sequence[FakePrefill], decodes: Sequence[FakeDecode] = (), **cfg: Any) -> Orchestrator:
-    pre: dict[str, Any] = {p.name: p for p in prefills}
-    dec: list[Any] = list(decodes) or [FakeDecode()]
+    pre, dec = clients({p.name: p for p in prefills}, list(decodes) or [FakeDecode()])
     return Orchestrator(_cfg(**cfg), TOK, "m", None, pre, dec, RouterMetrics())
 
 

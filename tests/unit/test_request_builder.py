@@ -25,7 +25,7 @@ MSGS = (ChatMessage("system", SYSTEM), ChatMessage("user", "What is a prefix cac
 
 def _orch(**overrides: object) -> Orchestrator:
     cfg = load_config(env={}, overrides={"max_model_len": 512, **overrides})
-    return Orchestrator(cfg, TOK, "m", None, {}, [], RouterMetrics())
+    return Orchestrator(cfg, TOK, "m", None, {}, {}, RouterMetrics())
 
 
 def _api(**fields: object) -> ApiRequest:

@@ -1,0 +1,104 @@
+"""The router-to-worker channel, typed: one client class per worker kind.
+
+The router never touches a Ray actor handle: it calls these clients, whose
+methods name every actor method it uses (``PrefillWorker`` and
+``DecodeWorker``) with typed arguments and results (``messages.py``). Instance
+names are built here only (``prefill-<i>``, ``decode-<j>``, the Ray actor
+names in namespace ``hybridpd``).
+
+A handle is anything with Ray's calling convention (``handle.method.remote``
+returns an awaitable; ``generate`` streams): a Ray ``ActorHandle`` in the
+stack, a test double in the router's unit tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import Protocol
+
+from hybridpd.engine.base import EngineRequest
+from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
+
+#: chunks a decode stream may run ahead of the router; past that the decode
+#: actor waits and merges what the engine produced meanwhile into one chunk
+STREAM_AHEAD = 4
+
+
+def prefill_name(i: int) -> str:
+    return "prefill-%d" % i
+
+
+def decode_name(j: int) -> str:
+    return "decode-%d" % j
+
+
+class ActorHandle(Protocol):
+    """Ray's calling convention, as much of it as the clients use (``ray.actor.ActorHandle``)."""
+
+    def __getattr__(self, method: str) -> RemoteMethod: ...
+
+
+class RemoteMethod(Protocol):
+    def remote(self, *args: object) -> Awaitable[object]: ...
+
+    def options(self, **options: object) -> RemoteMethod: ...
+
+
+class WorkerClient:
+    """What every worker answers: abort, stats, the fault hook."""
+
+    def __init__(self, name: str, handle: ActorHandle) -> None:
+        self.name = name
+        self.handle = handle
+
+    def abort(self, request_id: str) -> None:
+        """Free ``request_id`` on this worker if it holds it (fire and forget)."""
+        self.handle.abort.remote(request_id)
+
+    async def stats(self) -> dict[str, object]:
+        """Identity, pools and counters (``WorkerBase._base_stats`` and the worker's own)."""
+        got = await self.handle.stats.remote()
+        assert isinstance(got, dict)
+        return got
+
+    async def inject_fault(self, kind: str) -> None:
+        """Test hook (``fault_injection``): the worker's engine injects ``kind``."""
+        await self.handle.inject_fault.remote(kind)
+
+
+class PrefillClient(WorkerClient):
+    async def prefill(self, cmd: PrefillCommand) -> PrefillResult:
+        """Prefill ``cmd.request`` (``PrefillWorker.prefill``)."""
+        got = await self.handle.prefill.remote(cmd)
+        assert isinstance(got, PrefillResult)
+        return got
+
+    def answer(self, req: EngineRequest) -> None:
+        """Prefill ``req`` (prompt + answer) at low priority, fire and forget
+        (``PrefillWorker.answer``)."""
+        self.handle.answer.remote(req)
+
+
+class DecodeStream:
+    """One request's decode chunks, read one at a time (Ray streaming generator)."""
+
+    def __init__(self, gen: object) -> None:
+        self._gen = gen
+
+    async def next(self) -> TokenChunk | None:
+        """The next chunk, None at the stream's end; raises what the decode raised."""
+        try:
+            ref = await self._gen.__anext__()  # type: ignore[attr-defined]
+        except StopAsyncIteration:
+            return None
+        chunk = await ref
+        assert isinstance(chunk, TokenChunk)
+        return chunk
+
+
+class DecodeClient(WorkerClient):
+    def generate(self, pr: PrefillResult, req: EngineRequest) -> DecodeStream:
+        """Decode ``req`` from ``pr``'s handoff (``DecodeWorker.generate``), at most
+        :data:`STREAM_AHEAD` chunks ahead of the reader."""
+        method = self.handle.generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD)
+        return DecodeStream(method.remote(pr, req))
