@@ -12,7 +12,8 @@ import pytest
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.block_pool import BlockPool
-from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig, Sequence
+from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig
+from hybridpd.engine.native.sequence import Sequence
 from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.tokenizer import ChatMessage, TextTokenizer
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop

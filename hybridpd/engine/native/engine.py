@@ -60,7 +60,8 @@ from hybridpd.engine.native.model import HybridModel
 from hybridpd.engine.native.model_config import KERNEL_CHUNK
 from hybridpd.engine.native.model_runner import ModelRunner, StepRow
 from hybridpd.engine.native.prefix_cache import PrefixCache
-from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig, SeqStatus, Sequence
+from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig
+from hybridpd.engine.native.sequence import SeqStatus, Sequence
 from hybridpd.engine.native.state_cache import slots_for
 from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError

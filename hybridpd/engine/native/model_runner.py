@@ -33,7 +33,8 @@ from hybridpd.engine.native.eagle import DraftHead
 from hybridpd.engine.native.handoff import Handoff
 from hybridpd.engine.native.model import HybridModel, Work
 from hybridpd.engine.native.model_config import HybridModelConfig
-from hybridpd.engine.native.scheduler import ScheduledWork, Sequence
+from hybridpd.engine.native.scheduler import ScheduledWork
+from hybridpd.engine.native.sequence import Sequence
 from hybridpd.engine.native.weights import load_weights
 from hybridpd.errors import ConfigError
 from hybridpd.hashing import BlockHash

@@ -33,7 +33,7 @@ from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.cache_events import CacheEventLog
 from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_runner import ModelRunner
-from hybridpd.engine.native.scheduler import Sequence
+from hybridpd.engine.native.sequence import Sequence
 from hybridpd.engine.native.state_cache import StateCache
 from hybridpd.errors import IntegrityError
 from hybridpd.hashing import BlockHash, BlockHasher
