@@ -10,7 +10,7 @@ repeated ``--repeats`` times (each repeat with its own provenance); the JSON
 keeps every repeat, and the published figures are the medians (with min and
 max) over the repeats, the speedup being the median of each repeat's paired
 ratio. Then the mean acceptance length at k = 1..5 (deterministic: greedy). Decode prompts are held-out text
-(:mod:`hybridpd.engine.native.corpus`, never trained on); greedy outputs of
+(:mod:`hybridpd.models.corpus`, never trained on); greedy outputs of
 every EAGLE run are checked equal to plain decoding.
 """
 
@@ -52,8 +52,8 @@ def _prompts(n: int, length: int, seed: int) -> list[tuple[int, ...]]:
 
 def _text_prompts(n: int, length: int) -> list[tuple[int, ...]]:
     """``n`` held-out text prompts of ``length`` tokens (consecutive windows of the held-out stream)."""
-    from hybridpd.engine.native.perplexity import heldout_windows
     from hybridpd.engine.native.tiny import resolve_model_dir
+    from hybridpd.models.perplexity import heldout_windows
 
     rows = heldout_windows(resolve_model_dir(_MODEL[0]), n * length, length)
     return [tuple(r.tolist()) for r in rows[:n]]

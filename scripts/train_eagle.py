@@ -2,7 +2,7 @@
 
     nice -n 19 .venv/bin/python scripts/train_eagle.py [--model tiny] [--sequences 384] [--steps 2400]
 
-1. Prompts: the training text of :mod:`hybridpd.engine.native.corpus`
+1. Prompts: the training text of :mod:`hybridpd.models.corpus`
    (tokenized; held-out files are never used).
 2. The target (``--model``, native engine, fp32, greedy) continues each
    prompt; the draft must predict these self-generated continuations, which
@@ -39,13 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, SamplingParams
-from hybridpd.engine.native import corpus
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.model import Work
 from hybridpd.engine.native.ops import rms_norm
 from hybridpd.engine.native.tiny import ASSETS, BUNDLED
 from hybridpd.engine.native.weights import init_draft_weights, save_weights, weights_digest
 from hybridpd.model_files import TOKENIZER_DIR
+from hybridpd.models import corpus
 
 
 def main() -> None:

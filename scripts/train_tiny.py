@@ -9,7 +9,7 @@ gated delta rule, causal SDPA attention) and checks, before and after
 training, that the native engine computes the same logits (fp32, max abs
 difference printed; must be < 1e-3).
 
-Data: :mod:`hybridpd.engine.native.corpus` (stdlib + pinned packages'
+Data: :mod:`hybridpd.models.corpus` (stdlib + pinned packages'
 docstrings; a held-out set of stdlib files is never trained on). Documents are
 tokenized with the committed tokenizer, joined with ``<eos>`` and cut into
 random windows of ``--context`` tokens (half of them starting at a document
@@ -38,10 +38,10 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from hybridpd.engine.native import corpus  # noqa: E402
 from hybridpd.engine.native.model_config import KERNEL_CHUNK, HybridModelConfig  # noqa: E402
 from hybridpd.engine.native.tiny import ASSETS, TINY_SEED, TRAINED_CONFIG  # noqa: E402
 from hybridpd.engine.native.weights import init_weights, save_weights, weights_digest  # noqa: E402
+from hybridpd.models import corpus  # noqa: E402
 
 EOS = 2
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import math
 
-from hybridpd.engine.native.perplexity import heldout_windows, nll
 from hybridpd.engine.native.tiny import resolve_model_dir
+from hybridpd.models.perplexity import heldout_windows, nll
 
 
 def test_trained_model_heldout_perplexity_10x_lower_than_random() -> None:

@@ -4,7 +4,7 @@ dependencies installed by ``scripts/bootstrap.sh`` (:data:`PACKAGES`: numpy
 BSD-3-Clause, pydantic MIT, click BSD-3-Clause, jinja2 BSD-3-Clause).
 
 The tiny model is trained on it (``scripts/train_tiny.py``) and evaluated on
-a held-out part of the stdlib (``hybridpd.engine.native.perplexity``). The
+a held-out part of the stdlib (``hybridpd.models.perplexity``). The
 split is by source file: a stdlib file is held out when the sha256 of its path relative to the
 stdlib starts with a byte < ``HELDOUT_BYTES`` (about 1 in 16 files), so
 the same files are held out on every machine.

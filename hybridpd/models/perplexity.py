@@ -1,8 +1,8 @@
 """Held-out perplexity of a native model, computed by the engine's own forward pass.
 
-    python -m hybridpd.engine.native.perplexity [--tokens 4096] [--model tiny --model tiny-random]
+    python -m hybridpd.models.perplexity [--tokens 4096] [--model tiny --model tiny-random]
 
-Text: the held-out stdlib docstrings of :mod:`hybridpd.engine.native.corpus`
+Text: the held-out stdlib docstrings of :mod:`hybridpd.models.corpus`
 (never trained on), tokenized with the model's tokenizer, joined with
 ``<eos>`` and cut into windows of ``context`` tokens; each window is one
 fp32 prefill from position 0, scored on its tokens 1..context-1.
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from hybridpd.engine.native import corpus
 from hybridpd.engine.native.model import HybridModel, Work
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.engine.native.weights import load_weights
+from hybridpd.models import corpus
 
 
 def heldout_windows(model_dir: Path, tokens: int, context: int) -> torch.Tensor:
