@@ -29,7 +29,7 @@ RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
 
 # Build the bundled tiny model into the image (HYBRIDPD_HOME), so pods start without building it.
 ENV HYBRIDPD_HOME=/opt/hybridpd/home RAY_USAGE_STATS_ENABLED=0
-RUN python -m hybridpd.engine.native.tiny
+RUN python -m hybridpd.models.bundled
 
 # Ray runs as the same user in every pod of the RayCluster.
 RUN useradd --create-home --uid 1000 ray && chown -R ray /opt/hybridpd/home

@@ -52,7 +52,7 @@ def _prompts(n: int, length: int, seed: int) -> list[tuple[int, ...]]:
 
 def _text_prompts(n: int, length: int) -> list[tuple[int, ...]]:
     """``n`` held-out text prompts of ``length`` tokens (consecutive windows of the held-out stream)."""
-    from hybridpd.engine.native.tiny import resolve_model_dir
+    from hybridpd.models.bundled import resolve_model_dir
     from hybridpd.models.perplexity import heldout_windows
 
     rows = heldout_windows(resolve_model_dir(_MODEL[0]), n * length, length)

@@ -173,7 +173,7 @@ def reference_check(rec: _Recorder, cfg: SoakConfig, model: str = "tiny") -> dic
     from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
     from hybridpd.engine.native.engine import NativeEngine
     from hybridpd.engine.native.ops import row_invariance_problem
-    from hybridpd.engine.native.tiny import resolve_model_dir
+    from hybridpd.models.bundled import resolve_model_dir
     from hybridpd.tokenizer import ChatMessage, TextTokenizer
 
     keys = sorted(rec.answers)

@@ -1,6 +1,6 @@
 """Where built models live, how they are built safely, and the bundled tokenizer.
 
-Shared by the engines' bundled models (``engine/native/tiny.py``,
+Shared by the engines' bundled models (``models/bundled.py``,
 ``engine/vllm/tiny.py``), so neither imports the other:
 
 * :func:`home`: ``$HYBRIDPD_HOME`` (default ``~/.cache/hybridpd``); built

@@ -42,10 +42,10 @@ from hybridpd.engine.base import EngineRequest, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.model import Work
 from hybridpd.engine.native.ops import rms_norm
-from hybridpd.engine.native.tiny import ASSETS, BUNDLED
 from hybridpd.engine.native.weights import init_draft_weights, save_weights, weights_digest
 from hybridpd.model_files import TOKENIZER_DIR
 from hybridpd.models import corpus
+from hybridpd.models.bundled import ASSETS, BUNDLED
 
 
 def main() -> None:
@@ -177,7 +177,7 @@ def cfg_unit(engine: NativeEngine) -> int:
 def model_weights(engine: NativeEngine) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    from hybridpd.engine.native.tiny import resolve_model_dir
+    from hybridpd.models.bundled import resolve_model_dir
 
     return load_file(str(resolve_model_dir(engine.cfg.model) / "model.safetensors"))
 

@@ -3,7 +3,7 @@
     nice -n 19 .venv/bin/python scripts/train_tiny.py [--steps 1500] [--threads 2]
 
 Architecture: the native engine's (``hybridpd/engine/native``), config
-:data:`hybridpd.engine.native.tiny.TRAINED_CONFIG` (DDDA, hidden 256, 4.0M parameters). This
+:data:`hybridpd.models.bundled.TRAINED_CONFIG` (DDDA, hidden 256, 4.0M parameters). This
 script re-implements its forward pass batched and differentiable (chunked
 gated delta rule, causal SDPA attention) and checks, before and after
 training, that the native engine computes the same logits (fp32, max abs
@@ -15,7 +15,7 @@ tokenized with the committed tokenizer, joined with ``<eos>`` and cut into
 random windows of ``--context`` tokens (half of them starting at a document
 start). Seeded: the same machine and package versions give the same weights.
 
-Writes ``hybridpd/engine/native/assets/tiny.safetensors`` (bf16; the engine
+Writes ``hybridpd/models/assets/tiny.safetensors`` (bf16; the engine
 loads it in fp32), ``scripts/train_tiny.png`` (loss curve) and
 ``scripts/train_tiny.json`` (losses, held-out perplexity, time).
 """
@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from hybridpd.engine.native.model_config import KERNEL_CHUNK, HybridModelConfig  # noqa: E402
-from hybridpd.engine.native.tiny import ASSETS, TINY_SEED, TRAINED_CONFIG  # noqa: E402
 from hybridpd.engine.native.weights import init_weights, save_weights, weights_digest  # noqa: E402
 from hybridpd.models import corpus  # noqa: E402
+from hybridpd.models.bundled import ASSETS, TINY_SEED, TRAINED_CONFIG  # noqa: E402
 
 EOS = 2
 

@@ -22,7 +22,7 @@ def resolve_model(cfg: HybridPDConfig) -> Path | str:
 
             return resolve()
         return Path(cfg.model) if Path(cfg.model).exists() else cfg.model
-    from hybridpd.engine.native.tiny import resolve_model_dir
+    from hybridpd.models.bundled import resolve_model_dir
 
     return resolve_model_dir(cfg.model)
 

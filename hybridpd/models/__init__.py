@@ -1,3 +1,3 @@
-"""The bundled models' training text and evaluation (not engine code):
-``corpus`` (the text they are trained and evaluated on) and ``perplexity``
-(held-out perplexity through the native engine's forward pass)."""
+"""The bundled models (not engine code): ``bundled`` builds them from the
+committed assets on first use, ``corpus`` is the text they are trained and
+evaluated on, ``perplexity`` evaluates them through the native engine."""

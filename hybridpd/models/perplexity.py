@@ -21,9 +21,9 @@ from tokenizers import Tokenizer
 
 from hybridpd.engine.native.model import HybridModel, Work
 from hybridpd.engine.native.model_config import HybridModelConfig
-from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.engine.native.weights import load_weights
 from hybridpd.models import corpus
+from hybridpd.models.bundled import resolve_model_dir
 
 
 def heldout_windows(model_dir: Path, tokens: int, context: int) -> torch.Tensor:

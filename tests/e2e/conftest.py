@@ -12,9 +12,9 @@ import pytest
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
-from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import LookupResult, PrefixIndex
+from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.tokenizer import TextTokenizer
 from launch.stack_process import StackProcess
 from tests.wait import Pending, wait_until

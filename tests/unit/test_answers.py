@@ -14,7 +14,7 @@ from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig
 from hybridpd.engine.native.sequence import Sequence
-from hybridpd.engine.native.tiny import resolve_model_dir
+from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.tokenizer import ChatMessage, TextTokenizer
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.metrics import RouterMetrics

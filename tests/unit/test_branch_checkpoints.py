@@ -18,8 +18,8 @@ from hybridpd.checkpoints import (
 )
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.hashing import BlockHasher
+from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.tokenizer import ChatMessage, TextTokenizer
 from hybridpd.validation import validate_checkpoints
 from services.router.dispatch import Dispatcher, Route

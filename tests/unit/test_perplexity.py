@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from hybridpd.engine.native.tiny import resolve_model_dir
+from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.models.perplexity import heldout_windows, nll
 
 

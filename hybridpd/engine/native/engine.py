@@ -63,9 +63,9 @@ from hybridpd.engine.native.prefix_cache import PrefixCache
 from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig
 from hybridpd.engine.native.sequence import SeqStatus, Sequence
 from hybridpd.engine.native.state_cache import slots_for
-from hybridpd.engine.native.tiny import resolve_model_dir
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
+from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.validation import validate_request
 
 __all__ = ["NativeEngine", "SpecStats"]

@@ -15,7 +15,7 @@ the committed tokenizer and an EAGLE head ``draft.safetensors``:
 The directory name carries a digest of everything that goes into it, so a
 change of config, seed or assets builds a fresh one.
 
-    python -m hybridpd.engine.native.tiny [--model tiny|tiny-random] [--out DIR]
+    python -m hybridpd.models.bundled [--model tiny|tiny-random] [--out DIR]
 """
 
 from __future__ import annotations
