@@ -33,6 +33,19 @@ def json_option(name: str) -> Callable[[F], F]:
     )
 
 
+def workload_json_option(stem: str) -> Callable[[F], F]:
+    """``--json PATH`` of a workload benchmark: ``<stem>.json``, ``<stem>_quick.json`` with ``--quick``."""
+    return click.option(
+        "--json",
+        "json_path",
+        type=click.Path(dir_okay=False),
+        default=None,
+        help="Where to write [default: bench/results/%s.json; with --quick, %s_quick.json]" % (stem, stem),
+    )
+
+
+QUICK_OPTION = click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+
 #: ``--repeats`` of the benchmarks with variants (interleaved)
 REPEATS_OPTION = repeats_option(
     3, "Run each variant this many times, interleaved; the JSON keeps every repeat and the tables show medians."
@@ -68,14 +81,8 @@ def _echo_report(json_path: str, out: dict[str, Any]) -> None:
 
 
 @bench.command("growing-streams")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Where to write [default: bench/results/growing_streams.json; with --quick, growing_streams_quick.json]",
-)
-@click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+@workload_json_option("growing_streams")
+@QUICK_OPTION
 @click.option("--url", default=None, help="Run against a running stack instead of starting one per variant.")
 @click.option(
     "--variant",
@@ -116,14 +123,8 @@ def bench_growing_streams(
 
 
 @bench.command("shared-prefix")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Where to write [default: bench/results/shared_prefix.json; with --quick, shared_prefix_quick.json]",
-)
-@click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+@workload_json_option("shared_prefix")
+@QUICK_OPTION
 @click.option(
     "--variant",
     "variants",
@@ -187,14 +188,8 @@ def bench_placement(json_path: str, checkpoints: int, min_gain: float) -> None:
 
 
 @bench.command("multi-turn")
-@click.option(
-    "--json",
-    "json_path",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="Where to write [default: bench/results/multi_turn.json; with --quick, multi_turn_quick.json]",
-)
-@click.option("--quick", is_flag=True, help="A smaller workload that finishes in minutes.")
+@workload_json_option("multi_turn")
+@QUICK_OPTION
 @click.option(
     "--variant",
     "variants",

@@ -7,9 +7,12 @@ worker clears what its predecessor published. The engine is the toy engine
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import redis
 
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
@@ -97,19 +100,28 @@ def _kv_claimed(index: PrefixIndex) -> set:
     return index.local_entries(NAME)[0]
 
 
-def test_a_failover_replica_keeps_the_batch_for_replay(tmp_path: Path) -> None:
-    """Redis answers READONLY (the server became a replica, as in a failover):
-    a transient error, so the removals are kept and replayed once it is a
-    master again, and nothing is dropped (not cleared, not stale)."""
-    import redis
-
+@contextmanager
+def _own_redis(tmp_path: Path) -> Iterator[tuple[PrefillWorker, ToyEngine, PrefixIndex, redis.Redis]]:
+    """A prefill worker (toy engine) publishing to a Redis of its own, and an admin
+    connection to that Redis (its role and ACL are changed by the test)."""
     srv = RedisServer(tmp_path)
     srv.start()
     eng = ToyEngine(capacity=4)
     w = PrefillWorker(load_config(env={}), NAME, srv.url, None, None, engine=eng)
-    index = PrefixIndex(srv.url, eng.model_id)
     admin = redis.Redis.from_url(srv.url)
     try:
+        yield w, eng, PrefixIndex(srv.url, eng.model_id), admin
+    finally:
+        w.close()
+        admin.close()
+        srv.stop()
+
+
+def test_a_failover_replica_keeps_the_batch_for_replay(tmp_path: Path) -> None:
+    """Redis answers READONLY (the server became a replica, as in a failover):
+    a transient error, so the removals are kept and replayed once it is a
+    master again, and nothing is dropped (not cleared, not stale)."""
+    with _own_redis(tmp_path) as (w, eng, index, admin):
         a = _req("a", 1)
         w.prefill(PrefillCommand(a))
         assert _kv_claimed(index) == set(eng.cache)
@@ -125,10 +137,6 @@ def test_a_failover_replica_keeps_the_batch_for_replay(tmp_path: Path) -> None:
 
         wait_until(replayed, 15, 0.1, "the refused events replayed", retry_on=(UnavailableError,))
         assert w.stats()["cache_events_dropped"] == 0
-    finally:
-        w.close()
-        admin.close()
-        srv.stop()
 
 
 def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tmp_path: Path) -> None:
@@ -136,15 +144,7 @@ def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tm
     loses a batch that held removals. The publisher then clears this
     instance's entries before the next batch: the index may under-claim for a
     while, never claim the evicted prefix."""
-    import redis
-
-    srv = RedisServer(tmp_path)
-    srv.start()
-    eng = ToyEngine(capacity=4)
-    w = PrefillWorker(load_config(env={}), NAME, srv.url, None, None, engine=eng)
-    index = PrefixIndex(srv.url, eng.model_id)
-    admin = redis.Redis.from_url(srv.url)
-    try:
+    with _own_redis(tmp_path) as (w, eng, index, admin):
         a = _req("a", 1)
         w.prefill(PrefillCommand(a))
         a_blocks = set(eng.cache)
@@ -163,10 +163,6 @@ def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tm
         admin.execute_command("ACL", "SETUSER", "default", "+hdel")
         w.prefill(PrefillCommand(_req("y", 4)))
         assert _kv_claimed(index) <= set(eng.cache) and _kv_claimed(index)  # publishing again, truthfully
-    finally:
-        w.close()
-        admin.close()
-        srv.stop()
 
 
 @pytest.mark.usefixtures("fp32_row_exact")
