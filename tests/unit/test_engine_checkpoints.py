@@ -289,11 +289,12 @@ def test_placed_checkpoints_are_exact_add_no_step_and_hit(eagle: bool, budget: i
 
 
 def test_the_routers_placement_lets_the_second_sharer_hit() -> None:
-    """Router and engine together, no index: a first request carries the one
-    position the router's default placement (value) chose from its prior; the
-    second request sharing its 1,000-token document (not its 45-token question)
-    restores at least 0.75 of the document, exactly. Once the router has seen
-    that divergence, the next pair's second restores more."""
+    """Router and engine together, no index: a first request carries the (at
+    most two) positions the router's default placement (value) chose from its
+    prior; the second request sharing its 1,000-token document (not its
+    45-token question) restores the deepest of them below the document's end,
+    at least 0.75 of the document, exactly. Once the router has seen that
+    divergence, the next pair's second restores more."""
     from tests.unit.test_branch_checkpoints import _dispatcher, _route
 
     d = _dispatcher()
@@ -303,11 +304,11 @@ def test_the_routers_placement_lets_the_second_sharer_hit() -> None:
         doc = prompt(1000, 50 + pair)
         first, second = doc + prompt(45, 60 + pair), doc + prompt(45, 70 + pair)
         routed = d.with_junction(req("a%d" % pair, first, 2), _route(0, 0))
-        assert len(routed.placement) == 1 and routed.placement[0] <= 992
+        assert 1 <= len(routed.placement) <= 2 and routed.placement[0] <= 992
         eng.generate([routed])
         d.with_junction(req("b%d" % pair, second, 2), _route(0, 992))  # the router sees it diverge
         got = _run(eng, "b%d" % pair, second)
-        assert got[2] == routed.placement[0] and got[2] >= 0.75 * 992
+        assert got[2] == max(p for p in routed.placement if p <= 992) and got[2] >= 0.75 * 992
         _same(got, _no_cache(second, False))
         hits.append(got[2])
     assert hits[1] > hits[0]
