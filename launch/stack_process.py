@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from hybridpd.errors import UnavailableError
-from hybridpd.procs import free_port
+from hybridpd.procs import listen_ports
 
 
 class StackProcess:
@@ -28,8 +28,7 @@ class StackProcess:
         """``exe``: the ``hybridpd`` executable (default: the one beside this Python)."""
         self.workdir = workdir
         self.exe = exe or Path(sys.executable).parent / "hybridpd"
-        self.http_port, self.grpc_port, self.dashboard_port = free_port(), free_port(), free_port()
-        self.ray_metrics_port = free_port()
+        self._choose_ports()
         self.extra_args = extra_args or []
         self.start_timeout_s = start_timeout_s
         self.log = workdir / "up.log"
@@ -48,7 +47,7 @@ class StackProcess:
         return "127.0.0.1:%d" % self.grpc_port
 
     #: what a port lost between choosing it and binding it looks like in the log
-    _PORT_RACE = ("already occupied", "Address already in use")
+    _PORT_RACE = ("already occupied", "address already in use")
 
     def start(self, attempts: int = 3) -> StackProcess:
         """Start ``hybridpd up``; on a port taken between choosing and binding it,
@@ -57,11 +56,16 @@ class StackProcess:
             try:
                 return self._start_once()
             except UnavailableError as exc:
-                if attempt == attempts - 1 or not any(m in str(exc) for m in self._PORT_RACE):
+                if attempt == attempts - 1 or not any(m in str(exc).lower() for m in self._PORT_RACE):
                     raise
-                self.http_port, self.grpc_port, self.dashboard_port = free_port(), free_port(), free_port()
-                self.ray_metrics_port = free_port()
+                self._choose_ports()
         raise AssertionError("unreachable")
+
+    def _choose_ports(self) -> None:
+        """Four free ports below the ephemeral range (``procs.listen_ports``): one
+        from that range could be taken by any outgoing connection before the
+        stack, which binds them seconds later, gets to it."""
+        self.http_port, self.grpc_port, self.dashboard_port, self.ray_metrics_port = listen_ports(4)
 
     def _start_once(self) -> StackProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
