@@ -210,7 +210,7 @@ def markdown(out: dict[str, Any]) -> str:
         best = row["best_interval"]
         cells = [("tail+junction", row["tail+junction"]), ("geometric", row["geometric"]), ("value", row["value"])]
         cells += [
-            ("value, min gain 0 (always the cap)", row["value_no_min_gain"]),
+            ("value, min gain 0", row["value_no_min_gain"]),
             ("value, one, min gain 0", row["value_one_no_min_gain"]),
         ]
         if best:

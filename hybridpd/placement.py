@@ -194,7 +194,10 @@ def value_positions(
     total = best + (f * (1.0 - c[:m]))[None, :]
     if fixed_idx:
         total[:, : fixed_idx[-1]] = -np.inf  # the highest chosen point lies at or above every fixed one
-    opt = np.maximum.accumulate(total.max(axis=1))  # E*(k): the most k or fewer placements save
+    rows = total.max(axis=1)
+    if not fixed_idx:  # no fixed point: placing none saves nothing (row 0 has no path)
+        rows[0] = 0.0
+    opt = np.maximum.accumulate(rows)  # E*(k): the most k or fewer placements save
     k = 0
     while k < count and opt[k + 1] - opt[k] > 1e-9 * abs(opt[k + 1]) and opt[k + 1] - opt[k] >= min_gain:
         k += 1

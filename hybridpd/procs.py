@@ -43,6 +43,11 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+#: the lowest port :func:`listen_ports` hands out: above Ray's worker ports (10002-19999 by
+#: default), which the raylet gives to workers it starts after the ports are chosen
+LISTEN_PORTS_FROM = 20000
+
+
 def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct ports, each free on ``host`` now, for servers that bind them later.
 
@@ -52,7 +57,7 @@ def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     before a slow starter binds it (vLLM binds its NIXL side channel only at
     the end of its engine start, seconds later)."""
     lo, _ = ephemeral_range()
-    pool = [p for p in range(10000, lo) if p != RAY_DEFAULT_PORT]
+    pool = [p for p in range(LISTEN_PORTS_FROM, lo) if p != RAY_DEFAULT_PORT]
     if len(pool) < 100 * n:  # an unusual ephemeral range: take what the kernel gives
         out: list[int] = []
         while len(out) < n:

@@ -47,7 +47,7 @@ class StackProcess:
         return "127.0.0.1:%d" % self.grpc_port
 
     #: what a port lost between choosing it and binding it looks like in the log
-    _PORT_RACE = ("already occupied", "address already in use")
+    _PORT_RACE = ("already occupied", "address already in use", "failed to bind")
 
     def start(self, attempts: int = 3) -> StackProcess:
         """Start ``hybridpd up``; on a port taken between choosing and binding it,

@@ -9,7 +9,8 @@ that decides what is served lives here, so HTTP and gRPC are the same product:
 * chat: the template with recalled answers (``answer_checkpoints``: a
   previous answer's text stands for the ids the model generated, so the next
   turn's prompt extends what is cached), the message-boundary checkpoints
-  (``checkpoint_policy: branch-aware``) beside the client's positions, and
+  (``checkpoint_policy: branch-aware``) merged with the client's positions
+  (``checkpoints.merge_requested``: ascending, at most 8, boundaries first), and
   the :class:`AnswerPlan` that makes this answer reusable at its end;
 * sampling: ``max_tokens`` defaults to 16 (completion) or 256 (chat), clamped
   to what the context leaves; the tokenizer's end-of-turn ids stop unless
@@ -25,9 +26,11 @@ from dataclasses import dataclass
 from functools import partial
 
 from hybridpd.auth import ApiKeys
+from hybridpd.checkpoints import merge_requested
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import InvalidRequestError, NotFoundError
 from hybridpd.tokenizer import ChatMessage
+from hybridpd.validation import validate_checkpoints
 from services.router.answers import AnswerPlan
 from services.router.orchestrator import Orchestrator
 
@@ -98,7 +101,8 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
         # branch-aware: checkpoint where the system prompt's shared part ends and where the last
         # user turn starts, so the first conversation already leaves them reusable
         if cfg.checkpoint_policy == "branch-aware":
-            checkpoints += chat.boundaries
+            validate_checkpoints(tuple(checkpoints), len(tokens))  # the client's own list, as it sent it
+            checkpoints = list(merge_requested(checkpoints, chat.boundaries, len(tokens)))
         if chat.answer_span is not None:
             a0, a1 = chat.answer_span
             answer = next(m.content for m in reversed(api.messages) if m.role == "assistant")

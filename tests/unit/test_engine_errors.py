@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from hybridpd.errors import EngineError, InvalidRequestError, describe, grpc_code, http_status, unwrap
-from hybridpd.procs import ephemeral_range, listen_ports
+from hybridpd.procs import LISTEN_PORTS_FROM, ephemeral_range, listen_ports
 from services.worker.base import WorkerBase
 
 
@@ -50,7 +50,7 @@ def test_listen_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
     ports = listen_ports(8)
     assert len(set(ports)) == 8
     lo, _ = ephemeral_range()
-    assert all(10000 <= p < lo and p != 6379 for p in ports)
+    assert all(LISTEN_PORTS_FROM <= p < lo and p != 6379 for p in ports)  # above Ray's worker ports too
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))

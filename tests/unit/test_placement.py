@@ -89,6 +89,14 @@ def test_min_gain_stops_at_the_first_placement_that_does_not_pay(seed: int) -> N
     assert stopped_early > 0  # the threshold bound somewhere
 
 
+def test_min_gain_holds_without_fixed_points_too() -> None:
+    """Nothing fixed (not even a hit at 0): placing none saves 0, so a first
+    placement must pay like any other."""
+    cdf = lambda xs: np.interp(xs, [0, 32, 48, 64], [0, 0, 0.9, 0.9])  # noqa: E731
+    assert value_positions([16, 32, 48], [], 1, cdf) == (32,)
+    assert value_positions([16, 32, 48], [], 1, cdf, min_gain=1e6) == ()
+
+
 def test_a_concentrated_history_places_only_what_pays() -> None:
     """Every earlier prompt diverged 35 tokens before its end: one placement
     there pays, a second would only serve the prior's residue."""

@@ -11,6 +11,7 @@ from hybridpd.config import load_config
 from hybridpd.errors import InvalidRequestError, NotFoundError
 from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2 as pb
+from hybridpd.validation import validate_request
 from services.router.grpc_api import GenerationServicer
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
@@ -55,11 +56,19 @@ def test_defaults_clamp_and_checks() -> None:
 
 def test_chat_gets_boundaries_an_answer_plan_and_its_default() -> None:
     orch = _orch()
-    built = build(_api(messages=MSGS, checkpoints=(32,)), orch, "tiny")
     chat = TOK.chat_prompt(list(MSGS))
+    assert chat.boundaries
+    mine = (8, chat.boundaries[0] + 3)  # one below the first boundary, one past it
+    built = build(_api(messages=MSGS, checkpoints=mine), orch, "tiny")
     req = built.request
     assert req.prompt_token_ids == tuple(chat.ids) and req.sampling.max_tokens == 256
-    assert chat.boundaries and req.checkpoints == (32, *chat.boundaries)  # the client's, then the boundaries
+    assert req.checkpoints == tuple(sorted({*mine, *chat.boundaries}))  # merged, ascending
+    validate_request(req, TOK.vocab_size, 512)  # what admission checks: ascending, at most 8
+    many = tuple(range(1, 9))  # 8 of the client's own: the boundaries still go in
+    merged = build(_api(messages=MSGS, checkpoints=many), orch, "tiny").request.checkpoints
+    assert len(merged) == 8 and set(chat.boundaries) <= set(merged)
+    with pytest.raises(InvalidRequestError, match="ascending"):
+        build(_api(messages=MSGS, checkpoints=(40, 20)), orch, "tiny")
     assert built.answer is not None and built.answer.prompt_text == chat.text
     assert build(_api(messages=MSGS, answer_checkpoint=False), orch, "tiny").answer is None
     tail_only = build(_api(messages=MSGS), _orch(checkpoint_policy="tail-only", answer_checkpoints=False), "tiny")
