@@ -28,6 +28,7 @@ from bench.report import spread, write_report
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.models.bundled import resolve_model_dir
 
 
 def _engine(**kw: object) -> NativeEngine:
@@ -39,7 +40,8 @@ def _engine(**kw: object) -> NativeEngine:
         "enable_prefix_caching": False,
     }
     base.update(kw)
-    return NativeEngine(load_config(overrides=base))  # HYBRIDPD_* env vars apply (e.g. HYBRIDPD_DEVICE=cuda)
+    cfg = load_config(overrides=base)  # HYBRIDPD_* env vars apply (e.g. HYBRIDPD_DEVICE=cuda)
+    return NativeEngine(cfg, resolve_model_dir(cfg.model))
 
 
 _MODEL = ["tiny"]
@@ -52,7 +54,6 @@ def _prompts(n: int, length: int, seed: int) -> list[tuple[int, ...]]:
 
 def _text_prompts(n: int, length: int) -> list[tuple[int, ...]]:
     """``n`` held-out text prompts of ``length`` tokens (consecutive windows of the held-out stream)."""
-    from hybridpd.models.bundled import resolve_model_dir
     from hybridpd.models.perplexity import heldout_windows
 
     rows = heldout_windows(resolve_model_dir(_MODEL[0]), n * length, length)

@@ -31,6 +31,7 @@ from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.models.bundled import resolve_model_dir
 
 
 def _engine(device: str, dtype: str, **kw: Any) -> NativeEngine:
@@ -42,7 +43,8 @@ def _engine(device: str, dtype: str, **kw: Any) -> NativeEngine:
         "max_num_seqs": 64,
     }
     base.update(kw)
-    return NativeEngine(load_config(env={}, overrides=base))
+    cfg = load_config(env={}, overrides=base)
+    return NativeEngine(cfg, resolve_model_dir(cfg.model))
 
 
 def _sync(device: str) -> None:

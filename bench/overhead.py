@@ -97,9 +97,11 @@ class EngineSide:
 
         from hybridpd.config import load_config
         from hybridpd.engine.native.engine import NativeEngine
+        from hybridpd.models.bundled import resolve_model_dir
 
         torch.set_num_threads(ACTOR_THREADS)
-        self.engine = NativeEngine(load_config(overrides={"max_model_len": max_model_len, "model": model}))
+        cfg = load_config(overrides={"max_model_len": max_model_len, "model": model})
+        self.engine = NativeEngine(cfg, resolve_model_dir(cfg.model))
         self.n = 0
 
     def batch(self, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:

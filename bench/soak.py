@@ -178,7 +178,9 @@ def reference_check(rec: _Recorder, cfg: SoakConfig, model: str = "tiny") -> dic
 
     keys = sorted(rec.answers)
     sample = sorted(random.Random(cfg.seed).sample(keys, min(cfg.reference_sample, len(keys))))
-    engine = NativeEngine(load_config(env={}, overrides={"model": model, "enable_prefix_caching": False}))
+    engine = NativeEngine(
+        load_config(env={}, overrides={"model": model, "enable_prefix_caching": False}), resolve_model_dir(model)
+    )
     tok = TextTokenizer(resolve_model_dir(model))
     mismatches = []
     try:

@@ -45,7 +45,7 @@ from hybridpd.engine.native.ops import rms_norm
 from hybridpd.engine.native.weights import init_draft_weights, save_weights, weights_digest
 from hybridpd.model_files import TOKENIZER_DIR
 from hybridpd.models import corpus
-from hybridpd.models.bundled import ASSETS, BUNDLED
+from hybridpd.models.bundled import ASSETS, BUNDLED, resolve_model_dir
 
 
 def main() -> None:
@@ -70,7 +70,8 @@ def main() -> None:
     prompts = [tok.encode(t, add_special_tokens=False).ids[: args.prompt_len] for t in texts[: args.sequences]]
 
     overrides = {"model": args.model, "num_kv_blocks": 4096, "max_num_seqs": 256, "max_num_batched_tokens": 4096}
-    engine = NativeEngine(load_config(env={}, overrides=overrides))
+    cfg = load_config(env={}, overrides=overrides)
+    engine = NativeEngine(cfg, resolve_model_dir(cfg.model))
     t0 = time.time()
     reqs = [
         EngineRequest("s%d" % i, tuple(p), SamplingParams(max_tokens=args.gen_len, ignore_eos=True))
@@ -176,8 +177,6 @@ def cfg_unit(engine: NativeEngine) -> int:
 
 def model_weights(engine: NativeEngine) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
-
-    from hybridpd.models.bundled import resolve_model_dir
 
     return load_file(str(resolve_model_dir(engine.cfg.model) / "model.safetensors"))
 

@@ -51,4 +51,6 @@ def make_engine(
         return VllmEngine(cfg, model, role, instance=instance, cache_events=cache_events, store=store)
     from hybridpd.engine.native.engine import NativeEngine
 
-    return NativeEngine(cfg, role=role, instance=instance, export_checkpoints=export_checkpoints)
+    return NativeEngine(
+        cfg, Path(resolve_model(cfg)), role=role, instance=instance, export_checkpoints=export_checkpoints
+    )

@@ -97,7 +97,7 @@ def reference(fp32_row_exact: None):  # type: ignore[no-untyped-def]
     """The native engine run monolithically in this process (EAGLE off, no caching):
     the stack's greedy tokens must equal its, so only where fp32 matmul rows are
     batch-invariant."""
-    engine = NativeEngine(load_config(env={}, overrides={"enable_prefix_caching": False}))
+    engine = NativeEngine(load_config(env={}, overrides={"enable_prefix_caching": False}), resolve_model_dir("tiny"))
     tok = TextTokenizer(resolve_model_dir("tiny"))
     counter = iter(range(10**9))
 

@@ -170,9 +170,10 @@ def test_native_eviction_is_published_one_step_later(redis_server: RedisServer) 
     """The stale-index defect: the native engine's pool evicts, and the index must stop
     claiming the evicted prefix for this instance (it fails if eviction events are dropped)."""
     from hybridpd.engine.native.engine import NativeEngine
+    from hybridpd.models.bundled import resolve_model_dir
 
     cfg = load_config(env={}, overrides={"num_kv_blocks": 16, "prefix_match_unit": 16})
-    eng = NativeEngine(cfg, role="prefill", instance=NAME)
+    eng = NativeEngine(cfg, resolve_model_dir(cfg.model), role="prefill", instance=NAME)
     index = PrefixIndex(redis_server.url, eng.model_id)
     w = PrefillWorker(cfg, NAME, redis_server.url, None, None, engine=eng)
     try:

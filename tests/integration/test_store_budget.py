@@ -16,6 +16,7 @@ from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.hashing import BlockHash
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
+from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.master import MooncakeMaster
 from services.prefill.actor import PrefillWorker
@@ -49,7 +50,7 @@ def test_the_shared_system_prompt_survives_a_flood_within_the_budget(
     # checkpoints named below are put
     cfg = load_config(env={}, overrides={"store_state_budget_mb": BUDGET_MB, "mamba_block_size": 64})
     budget = int(BUDGET_MB * (1 << 20))
-    eng = NativeEngine(cfg, role="prefill", instance=NAMES[0], export_checkpoints=True)
+    eng = NativeEngine(cfg, resolve_model_dir(cfg.model), role="prefill", instance=NAMES[0], export_checkpoints=True)
     master = (mooncake_master.address, mooncake_master.metadata_url)
     w = PrefillWorker(cfg, NAMES[0], redis_server.url, *master, engine=eng)
     w.publisher.budget.clock = lambda: 1.0e9  # ages are turnovers only: deterministic
@@ -107,7 +108,7 @@ def test_the_shared_system_prompt_survives_a_flood_within_the_budget(
         all_tokens.append(later)
         chain = eng.hasher.chain(list(later))
         assert index.lookup(chain, len(later), UNIT, False).store_hit == 96
-        eng2 = NativeEngine(cfg, role="prefill", instance=NAMES[1])
+        eng2 = NativeEngine(cfg, resolve_model_dir(cfg.model), role="prefill", instance=NAMES[1])
         w2 = PrefillWorker(cfg, NAMES[1], redis_server.url, *master, engine=eng2)
         res = w2.prefill(PrefillCommand(_req("later", later), store_hit=96))
         assert (res.loaded_from_store, res.num_cached_tokens) == (96, 96)

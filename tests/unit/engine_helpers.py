@@ -11,6 +11,7 @@ import pytest
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.models.bundled import resolve_model_dir
 
 VOCAB_LO, VOCAB_HI = 5, 2048  # avoid special ids 0..4
 #: the bundled models path-equality tests run on: trained weights and seeded random ones
@@ -47,7 +48,8 @@ def make_engine(**overrides: Any) -> NativeEngine:
         "mamba_block_size": 64,
     }
     base.update(overrides)
-    return NativeEngine(load_config(env={}, overrides=base), **extra)
+    cfg = load_config(env={}, overrides=base)
+    return NativeEngine(cfg, resolve_model_dir(cfg.model), **extra)
 
 
 def prompt(n: int, seed: int) -> tuple[int, ...]:

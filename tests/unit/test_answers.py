@@ -12,7 +12,8 @@ import pytest
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.block_pool import BlockPool
-from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig
+from hybridpd.engine.native.scheduler import Scheduler
+from hybridpd.engine.native.scheduler_config import SchedulerConfig
 from hybridpd.engine.native.sequence import Sequence
 from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.tokenizer import ChatMessage, TextTokenizer
@@ -237,7 +238,7 @@ def test_the_answer_worker_caches_prompt_and_answer_or_skips_a_long_recompute() 
     from services.worker.metrics import PrefillCounters
     from tests.wait import wait_until
 
-    eng = NativeEngine(load_config(env={}, overrides={"num_kv_blocks": 64}))
+    eng = NativeEngine(load_config(env={}, overrides={"num_kv_blocks": 64}), resolve_model_dir("tiny"))
     loop = EngineLoop(eng)
     counters, lock = PrefillCounters(), threading.Lock()
 

@@ -59,7 +59,8 @@ def test_a_native_engine_is_an_engine() -> None:
 
 def test_the_factorys_arguments_are_accepted() -> None:
     sig = inspect.signature(NativeEngine)
-    for name in ("role", "instance", "export_checkpoints", "num_state_slots", "model_dir", "record_logits"):
+    assert list(sig.parameters)[:2] == ["cfg", "model_dir"]  # the caller resolves the model (engine/factory.py)
+    for name in ("role", "instance", "export_checkpoints", "num_state_slots", "record_logits"):
         assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
     with pytest.raises(ValueError, match="role"):
         make_engine(role="router")

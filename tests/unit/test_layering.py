@@ -47,6 +47,37 @@ def test_each_package_imports_only_the_layers_below_it() -> None:
     assert not upward, upward
 
 
+def _modules_imported(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_the_engines_sit_below_the_bundled_models() -> None:
+    """``hybridpd/models/`` (building, text, evaluation) uses the native engine's
+    parts; no engine module imports it back, except the factory, which resolves a
+    model directory for the engine it builds (the composition root)."""
+    back = [
+        str(path.relative_to(ROOT))
+        for path in sorted((ROOT / "hybridpd" / "engine").rglob("*.py"))
+        if path.name != "factory.py" and any(m.startswith("hybridpd.models") for m in _modules_imported(path))
+    ]
+    assert not back, back
+
+
+def test_the_native_engine_holds_tensors_only_in_its_runner() -> None:
+    """After nano-vllm: the scheduler, the sequence, the step's messages and the
+    cache bookkeeping are tensor-free; tensors live in the runner and its parts."""
+    native = ROOT / "hybridpd" / "engine" / "native"
+    tensor_free = ("scheduler", "scheduler_config", "sequence", "step", "state_cache", "block_pool", "prefix_cache")
+    with_torch = [name for name in tensor_free if "torch" in _modules_imported(native / ("%s.py" % name))]
+    assert not with_torch, with_torch
+
+
 def test_the_bench_commands_join_the_cli_as_a_plugin() -> None:
     from click.testing import CliRunner
 

@@ -10,11 +10,9 @@ import random
 
 import numpy as np
 import pytest
-import torch
 
 from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ShareFull, ValueLedger
 from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid
-from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import StateCache
 from hybridpd.hashing import BlockHash
@@ -165,29 +163,31 @@ def _h(i: int) -> BlockHash:
     return BlockHash(i.to_bytes(32, "big"))
 
 
-def _states() -> list[DeltaState]:
-    conv = torch.zeros(MCFG.conv_kernel - 1, MCFG.conv_dim)
-    ssm = torch.zeros(MCFG.delta_heads, MCFG.delta_key_dim, MCFG.delta_value_dim)
-    return [DeltaState(conv.clone(), ssm.clone()) for _ in range(3)]
+def _store(sc: StateCache, key: BlockHash, position: int, speculative: bool = False) -> bool:
+    """Store and write at once (as ``PrefixCache.plan``, then ``commit``): True when written."""
+    slot = sc.store(key, position, speculative=speculative)
+    if slot is not None:
+        sc.written(slot)
+    return slot is not None
 
 
 def test_the_state_cache_holds_placed_checkpoints_within_their_share() -> None:
     """8 slots, share 0.5: at most 4 speculative; a fifth evicts the least valuable
     speculative one (never a tail), or is skipped when worth less than all of them;
     a restore makes one an ordinary checkpoint."""
-    sc = StateCache(8, 3, MCFG, torch.device("cpu"), speculative_share=0.5, clock=lambda: 0.0)
+    sc = StateCache(8, 3, MCFG, speculative_share=0.5, clock=lambda: 0.0)
     assert sc.max_speculative == 4
     for i in range(4):
-        assert sc.store(_h(i), _states(), 1000 + 16 * i, speculative=True)
-    assert sc.store(_h(100), _states(), 64)  # a tail: ordinary, in an empty slot
+        assert _store(sc, _h(i), 1000 + 16 * i, speculative=True)
+    assert _store(sc, _h(100), 64)  # a tail: ordinary, in an empty slot
     assert sc.num_speculative == 4
-    assert sc.store(_h(4), _states(), 2000, speculative=True)  # evicts the least valuable: position 1000
+    assert _store(sc, _h(4), 2000, speculative=True)  # evicts the least valuable: position 1000
     assert sc.lookup(_h(0)) is None and sc.lookup(_h(100)) is not None and sc.num_speculative == 4
-    assert not sc.store(_h(5), _states(), 32, speculative=True)  # worth less than every speculative one
+    assert not _store(sc, _h(5), 32, speculative=True)  # worth less than every speculative one
     slot = sc.lookup(_h(1))
     assert slot is not None
-    sc.read(slot)
-    assert sc.num_speculative == 3 and sc.store(_h(6), _states(), 32, speculative=True)
+    sc.restored(slot)
+    assert sc.num_speculative == 3 and _store(sc, _h(6), 32, speculative=True)
     assert sc.pool.num_cached == 6  # 4 speculative, the reused one, the tail: two slots still empty
     sc.pool.check_consistent()
 

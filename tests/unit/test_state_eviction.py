@@ -12,6 +12,7 @@ from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import MIN_SLOTS, StateCache, slot_bytes, slots_for
+from hybridpd.engine.native.state_slots import StateSlots
 from hybridpd.hashing import BlockHash
 from tests.unit.engine_helpers import make_engine, prompt
 
@@ -70,8 +71,24 @@ def _states(fill: float) -> list[DeltaState]:
     return [DeltaState(conv.clone(), ssm.clone()) for _ in range(3)]
 
 
-def _cache(n: int, events: list[tuple[CacheEventKind, BlockHash]]) -> StateCache:
-    return StateCache(n, 3, MCFG, torch.device("cpu"), lambda k, x: events.append((k, x)), clock=Clock())
+class _Cache:
+    """A StateCache (bookkeeping) with its StateSlots (tensors), written as the engine does."""
+
+    def __init__(self, n: int, events: list[tuple[CacheEventKind, BlockHash]]) -> None:
+        self.sc = StateCache(n, 3, MCFG, lambda k, x: events.append((k, x)), clock=Clock())
+        self.slots = StateSlots(n, 3, MCFG, torch.device("cpu"))
+
+    def store(self, key: BlockHash, states: list[DeltaState], pos: int) -> bool:
+        """True when ``key`` is cached afterwards (held already, or written now)."""
+        slot = self.sc.store(key, pos)
+        if slot is not None:
+            self.slots.write(slot, states)
+            self.sc.written(slot)
+        return self.sc.lookup(key) is not None
+
+    def restore(self, slot: int) -> list[DeltaState]:
+        self.sc.restored(slot)
+        return self.slots.read(slot)
 
 
 def test_a_reused_checkpoint_survives_one_offs_that_lru_would_keep() -> None:
@@ -79,7 +96,8 @@ def test_a_reused_checkpoint_survives_one_offs_that_lru_would_keep() -> None:
     By value A stays for log2(1 + 3) = 2 turnovers after its last use; LRU (a plain
     pool where a restore refreshes recency) evicts A at the first one-off past capacity."""
     events: list[tuple[CacheEventKind, BlockHash]] = []
-    sc = _cache(3, events)
+    c = _Cache(3, events)
+    sc = c.sc
     lru = BlockPool(3)
     lru_slots: dict[BlockHash, int] = {}
 
@@ -89,18 +107,18 @@ def test_a_reused_checkpoint_survives_one_offs_that_lru_would_keep() -> None:
         lru.cache(slot, key)
         lru.free([slot])
 
-    sc.store(h(0xA), _states(1.0), 96)
+    c.store(h(0xA), _states(1.0), 96)
     lru_store(h(0xA))
     for _ in range(3):  # three admissions restore A
         slot = sc.lookup(h(0xA))
         assert slot is not None
-        assert torch.equal(sc.read(slot)[0].ssm, _states(1.0)[0].ssm)
+        assert torch.equal(c.restore(slot)[0].ssm, _states(1.0)[0].ssm)
         lru.touch([lru_slots[h(0xA)]])
         lru.free([lru_slots[h(0xA)]])
     a_slot = sc.lookup(h(0xA))
     assert a_slot is not None and sc.hits[a_slot] == 3
     for i in (0xB, 0xC, 0xD, 0xE, 0xF):
-        assert sc.store(h(i), _states(float(i)), 96)
+        assert c.store(h(i), _states(float(i)), 96)
         lru_store(h(i))
     assert sc.lookup(h(0xA)) == a_slot, "the reused checkpoint was evicted"
     assert lru.lookup(h(0xA)) is None, "LRU keeps it too: the test shows nothing"
@@ -109,39 +127,41 @@ def test_a_reused_checkpoint_survives_one_offs_that_lru_would_keep() -> None:
     assert set(sc.pool.cached) == {h(0xA), h(0xE), h(0xF)}
     # two turnovers (6 writes) after its last use A is worth what a new one-off is: it goes
     for i in range(0x10, 0x13):
-        sc.store(h(i), _states(0.0), 96)
+        c.store(h(i), _states(0.0), 96)
     assert sc.lookup(h(0xA)) == a_slot
     for i in range(0x13, 0x15):
-        sc.store(h(i), _states(0.0), 96)
+        c.store(h(i), _states(0.0), 96)
     assert sc.lookup(h(0xA)) is None and (REMOVED, h(0xA)) in events
     sc.pool.check_consistent()
 
 
 def test_value_prefers_a_longer_prefix_and_an_empty_slot() -> None:
     events: list[tuple[CacheEventKind, BlockHash]] = []
-    sc = _cache(2, events)
-    sc.store(h(1), _states(1.0), 1024)
-    sc.store(h(2), _states(2.0), 64)
+    c = _Cache(2, events)
+    sc = c.sc
+    c.store(h(1), _states(1.0), 1024)
+    c.store(h(2), _states(2.0), 64)
     slot1 = sc.lookup(h(1))
     assert slot1 is not None
     assert sc.value(slot1) > sc.value(1 - slot1)
-    sc.store(h(3), _states(3.0), 64)  # evicts the short one, though it is newer
+    c.store(h(3), _states(3.0), 64)  # evicts the short one, though it is newer
     assert sc.lookup(h(1)) == slot1 and sc.lookup(h(2)) is None
     sc.pool.uncache(h(3))  # an empty slot is taken before any cached one
-    sc.store(h(4), _states(4.0), 16)
+    c.store(h(4), _states(4.0), 16)
     assert sc.lookup(h(1)) == slot1 and sc.lookup(h(4)) is not None
     assert [k for k, _ in events] == [STORED, STORED, REMOVED, STORED, REMOVED, STORED]
     assert sc.writes == 4
 
 
 def test_a_re_store_is_a_use() -> None:
-    sc = _cache(2, [])
-    sc.store(h(1), _states(1.0), 64)
-    sc.store(h(2), _states(2.0), 64)
-    assert sc.store(h(1), _states(9.0), 64)  # already cached: refreshed, not rewritten
+    c = _Cache(2, [])
+    sc = c.sc
+    c.store(h(1), _states(1.0), 64)
+    c.store(h(2), _states(2.0), 64)
+    assert sc.store(h(1), 64) is None  # already cached: refreshed, nothing to write
     slot1 = sc.lookup(h(1))
-    assert slot1 is not None and float(sc.ssm[slot1, 0, 0, 0, 0]) == 1.0
-    sc.store(h(3), _states(3.0), 64)
+    assert slot1 is not None and float(c.slots.ssm[slot1, 0, 0, 0, 0]) == 1.0
+    c.store(h(3), _states(3.0), 64)
     assert sc.lookup(h(1)) == slot1 and sc.lookup(h(2)) is None
 
 
@@ -153,9 +173,11 @@ def test_slots_are_sized_from_the_budget() -> None:
     assert slots_for(1.0, 3, MCFG) == 4 and slots_for(0.01, 3, MCFG) == MIN_SLOTS
     eng = make_engine(state_cache_mb=8.0)
     try:
-        sc = eng.cache.state_cache
+        sc, slots = eng.cache.state_cache, eng.runner.slots
         assert sc.slot_bytes == nbytes
-        per_slot = (sc.conv[0].numel() * sc.conv.element_size()) + (sc.ssm[0].numel() * sc.ssm.element_size())
+        per_slot = (slots.conv[0].numel() * slots.conv.element_size()) + (
+            slots.ssm[0].numel() * slots.ssm.element_size()
+        )
         assert per_slot == nbytes
         assert eng.state_pool.num_slots == (8 << 20) // nbytes == 37
         assert eng.compute_model is sc.compute
@@ -196,3 +218,22 @@ def test_the_reused_system_prompt_survives_a_flood_by_value_not_by_age() -> None
     assert hit == 96 and restores == 2
     hit_lru, _ = _shared_then_flood(lru_order=True)
     assert hit_lru == 0  # oldest-first would have evicted it
+
+
+def test_a_slot_is_busy_until_written_and_an_abandoned_one_is_forgotten() -> None:
+    """``store`` keys a slot the caller writes next: no other store takes it before
+    ``written``; a step that failed ``abandon``s it, and no lookup finds the key."""
+    events: list[tuple[CacheEventKind, BlockHash]] = []
+    c = _Cache(2, events)
+    sc = c.sc
+    first = sc.store(h(1), 64)
+    second = sc.store(h(2), 1024)
+    assert first is not None and second is not None and first != second
+    assert sc.store(h(3), 2048) is None  # both busy: nothing evicted for it
+    sc.written(second)
+    sc.abandon(first)
+    assert sc.lookup(h(1)) is None and sc.lookup(h(2)) == second
+    assert events == [(STORED, h(1)), (STORED, h(2)), (REMOVED, h(1))]
+    assert sc.store(h(3), 16) == first  # the empty slot before the cached one
+    sc.written(first)
+    sc.pool.check_consistent()

@@ -1,20 +1,22 @@
-# Over 350 lines: the engine facade: schedule, run, postprocess and the export/handoff seams.
+# Over 350 lines: the engine facade: the step, the request lifecycle, and the export and handoff seams.
 """NativeEngine: the reference implementation of the engine boundary (``engine/base.py``).
 
-One step is schedule -> run -> postprocess::
+One step is schedule -> run -> postprocess (after nano-vllm)::
 
-    Scheduler.schedule()          which requests advance, by how many tokens
-      (scheduler.py)              (admission: hybrid hit, blocks, checkpoint plan)
-    ModelRunner.execute()         EAGLE drafts, one batched forward
-      (model_runner.py)
-    _after_prefill/_after_decode  tokens, stops, checkpoints, handoffs, outputs
-      (this file)
+    Scheduler.schedule()   which requests advance, by how many tokens
+      (scheduler.py)       (admission: hybrid hit, blocks, checkpoint plan)
+    PrefixCache.plan()     restores counted, slots reserved for the snapshots
+    ModelRunner.run()      EAGLE drafts, one batched forward, sampling:
+      (model_runner.py)    a RowResult of tokens per request (step.py)
+    _postprocess           appends, stops, caches the prompt, finishes, outputs
+      (this file)          (bookkeeping only: no tensors, no call into the runner)
 
 The engine keeps the request lifecycle (add, step, postprocess, finish,
-abort); the runner owns the tensors and the arithmetic; ``PrefixCache``
-(prefix_cache.py) the local cache: both pools, the checkpoint slots
-(``StateCache``), exports, imports and the cache events; ``HandoffTransport``
-(handoff.py) the NIXL agents. ``role`` ("local" | "prefill" | "decode") and
+abort); the runner is the only part that holds tensors (weights, KV, state
+slots, per-request state); ``PrefixCache`` (prefix_cache.py) the local cache's
+bookkeeping: both pools (``StateCache`` for the checkpoint slots), exports,
+imports and the cache events; ``HandoffTransport`` (handoff.py) the NIXL
+agents. ``role`` ("local" | "prefill" | "decode") and
 ``instance`` only name things (the NIXL agents): every member works in every
 role.
 
@@ -58,14 +60,14 @@ from hybridpd.engine.base import (
 from hybridpd.engine.native.handoff import FetchedHandoff, Handoff, HandoffTransport, NativeTicket
 from hybridpd.engine.native.model import HybridModel
 from hybridpd.engine.native.model_config import KERNEL_CHUNK
-from hybridpd.engine.native.model_runner import ModelRunner, StepRow
+from hybridpd.engine.native.model_runner import ModelRunner
 from hybridpd.engine.native.prefix_cache import PrefixCache
-from hybridpd.engine.native.scheduler import Scheduler, SchedulerConfig
-from hybridpd.engine.native.sequence import SeqStatus, Sequence
-from hybridpd.engine.native.state_cache import slots_for
+from hybridpd.engine.native.scheduler import Scheduler
+from hybridpd.engine.native.scheduler_config import SchedulerConfig
+from hybridpd.engine.native.sequence import SeqStatus, Sequence, stop_reason
+from hybridpd.engine.native.step import RowResult, ScheduledWork
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
-from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.validation import validate_request
 
 __all__ = ["NativeEngine", "SpecStats"]
@@ -80,12 +82,12 @@ class NativeEngine:
     def __init__(
         self,
         cfg: HybridPDConfig,
+        model_dir: Path,
         *,
         role: Literal["local", "prefill", "decode"] = "local",
         instance: str = "local",
         export_checkpoints: bool = False,
         num_state_slots: int | None = None,
-        model_dir: Path | None = None,
         record_logits: bool = False,
     ) -> None:
         if cfg.checkpoint_alignment is not None and cfg.checkpoint_alignment % KERNEL_CHUNK:
@@ -98,24 +100,25 @@ class NativeEngine:
         self.cfg = cfg
         self.role = role
         self.instance = instance
-        path = model_dir or resolve_model_dir(cfg.model)
         self.unit = cfg.prefix_match_unit
-        self.runner = ModelRunner(cfg, path, self.unit, record_logits)
+        self.runner = ModelRunner(
+            cfg,
+            model_dir,
+            self.unit,
+            record_logits=record_logits,
+            num_state_slots=num_state_slots,
+            export_checkpoints=export_checkpoints,
+        )
         self.mcfg = self.runner.mcfg
         self.device = self.runner.device
-        self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)
+        self.model_id = self.runner.model_id
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
-        if num_state_slots is None:  # tests pass a count; engines size from the budget
-            num_state_slots = slots_for(cfg.state_cache_mb, self.runner.num_delta_layers, self.mcfg)
         self.cache = PrefixCache(
             self.runner,
-            self.model_id,
             self.hasher,
             num_kv_blocks=cfg.num_kv_blocks,
-            num_state_slots=num_state_slots,
             mamba_block_size=cfg.mamba_block_size,
             enabled=cfg.enable_prefix_caching,
-            export_checkpoints=export_checkpoints,
             half_life_s=cfg.checkpoint_half_life_s,
             placement_share=cfg.placement_share,
         )
@@ -191,7 +194,6 @@ class NativeEngine:
         return bool(self.scheduler.waiting or self.scheduler.running or self.scheduler.background or self.pending)
 
     def _finish(self, seq: Sequence) -> None:
-        self.cache.drop(seq.rid)
         self.scheduler.finish(seq)
         self.seqs.pop(seq.rid, None)
         self.runner.drop(seq.rid)
@@ -203,75 +205,52 @@ class NativeEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        for sw in scheduled:  # admitted this step: restore the hit's state
-            if sw.seq.rid not in self.runner.tensors:
-                slot = sw.seq.restore_slot
-                restored = (
-                    self.cache.state_cache.read(slot, hit=not sw.seq.request.background) if slot is not None else None
-                )
-                self.runner.start(sw.seq, restored)
-        rows = self.runner.execute(scheduled)
-        for sw, row in zip(scheduled, rows, strict=True):
-            out = self._after_decode(sw.seq, row) if sw.decode else self._after_prefill(sw.seq, row)
+        self.cache.plan(scheduled)
+        try:
+            results = self.runner.run(scheduled)
+        except BaseException:
+            self.cache.abandon(scheduled)  # no slot keyed for this step holds its state
+            raise
+        self.cache.commit(scheduled)
+        for sw, res in zip(scheduled, results, strict=True):
+            out = self._postprocess(sw, res)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        sp = seq.request.sampling
-        if token in sp.stop_token_ids or (token == self.mcfg.eos_token_id and not sp.ignore_eos):
-            return FinishReason.STOP
-        if seq.num_output >= sp.max_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def _output(self, seq: Sequence, tokens: tuple[int, ...], reason: FinishReason | None) -> RequestOutput:
-        return RequestOutput(seq.request.request_id, tokens, reason is not None, reason, seq.num_prompt, seq.num_cached)
-
-    def _after_prefill(self, seq: Sequence, row: StepRow) -> RequestOutput | None:
-        work = row.work
-        seq.num_computed += work.tokens.numel()
-        for pos, states in work.snapshots.items():
-            self.cache.save_checkpoint(seq, pos, states)
-        if seq.num_computed < seq.num_prompt:
-            return None
-        token = self.runner.sample_first(seq, work)
-        self.cache.register_prompt(seq)
-        seq.token_ids.append(token)
-        reason = self._stop_reason(seq, token)
-        if seq.prefill_only:
-            if reason is None:
-                self._handoffs[seq.rid] = self.runner.make_handoff(self.model_id, seq, token)
-            self._finish(seq)
-            return RequestOutput(seq.request.request_id, (token,), True, reason, seq.num_prompt, seq.num_cached)
-        seq.status = SeqStatus.DECODE
-        if reason is not None:
-            self._finish(seq)
-        return self._output(seq, (token,), reason)
-
-    def _after_decode(self, seq: Sequence, row: StepRow) -> RequestOutput:
-        emitted, logits = self.runner.verify(seq, row)
-        if row.drafts:
-            self.spec.steps += 1
-            self.spec.emitted += len(emitted)
-            if len(self.spec.recent) < 100_000:
-                self.spec.recent.append(len(emitted))
-        accepted = len(emitted) - 1  # the target computed the pending token + this many drafts
-        out: list[int] = []
-        reason = None
-        for tok in emitted:
-            seq.token_ids.append(tok)
-            out.append(tok)
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
-                break
-        self.runner.log_logits(seq.rid, logits[: len(out)])
-        if reason is not None:
-            self._finish(seq)
+    def _postprocess(self, sw: ScheduledWork, res: RowResult) -> RequestOutput | None:
+        """Bookkeeping of one row: progress, tokens, stops, the prompt's cache entry,
+        spec counters, finishing. None mid-prompt (nothing to say yet)."""
+        seq = sw.seq
+        if sw.decode:
+            if res.drafts:
+                self.spec.steps += 1
+                self.spec.emitted += res.emitted
+                if len(self.spec.recent) < 100_000:
+                    self.spec.recent.append(res.emitted)
         else:
-            self.runner.accept(seq.rid, row, accepted)
-            seq.num_computed += accepted + 1
-        return self._output(seq, tuple(out), reason)
+            seq.num_computed += sw.num_tokens
+            if not res.tokens:
+                return None
+            self.cache.register_prompt(seq, res.exports)
+        seq.token_ids.extend(res.tokens)
+        reason = stop_reason(seq.request.sampling, self.mcfg.eos_token_id, res.tokens[-1], seq.num_output)
+        if not sw.decode and seq.prefill_only:
+            if res.handoff is not None:
+                self._handoffs[seq.rid] = res.handoff
+            self._finish(seq)
+            return RequestOutput(seq.request.request_id, res.tokens, True, reason, seq.num_prompt, seq.num_cached)
+        if reason is not None:
+            self._finish(seq)
+        elif sw.decode:
+            seq.num_computed += res.emitted  # the pending token and the accepted drafts
+        else:
+            seq.status = SeqStatus.DECODE
+        return self._output(seq, res.tokens, reason)
+
+    @staticmethod
+    def _output(seq: Sequence, tokens: tuple[int, ...], reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(seq.request.request_id, tokens, reason is not None, reason, seq.num_prompt, seq.num_cached)
 
     # -- the local prefix cache (prefix_cache.py) -------------------------------------------
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
@@ -317,7 +296,7 @@ class NativeEngine:
             raise IntegrityError("handoff of %s given for %s" % (handoff.request.request_id, request.request_id))
         self._validate(request)
         n = len(request.prompt_token_ids)
-        self.runner.check_handoff(self.model_id, handoff, n)
+        self.runner.check_handoff(handoff, n)
         seq = Sequence(request, [*request.prompt_token_ids, handoff.first_token_id], n, [])
         seq.num_cached = handoff.num_cached_tokens
         self._check_fits(seq)

@@ -1,31 +1,39 @@
-"""The native engine's tensors and compute: weights, paged KV, forward, sampling, EAGLE.
+"""The native engine's tensors and compute: weights, paged KV, state slots, forward,
+sampling, EAGLE. It is the only part of the engine that holds tensors.
 
-The engine (``engine.py``) decides what runs (the scheduler's step) and what
-it means (outputs, stops, checkpoints); the runner does the arithmetic::
+The engine decides what runs (the scheduler's step) and what it means
+(postprocess: stops, caching, outputs); the runner does the arithmetic::
 
-    scheduled step --execute--> [StepRow: Work (hidden, snapshots, token
-                                 states) + EAGLE drafts] per request
-    prefill row at the prompt's end --sample_first--> first token
-    decode row --verify--> emitted tokens --accept--> state at the last accepted token
+    [ScheduledWork] --run--> [RowResult] (tokens, exports, handoff; step.py)
+
+``run`` starts the tensors of each request admitted this step (from the state
+slot its hit restores), proposes EAGLE drafts, runs one batched forward, then
+per row: writes the snapshots into the slots ``PrefixCache.plan`` reserved
+(and keeps their exports until the prompt completes), samples the first token
+at the prompt's end (with the handoff of a ``prefill_only`` request), or
+verifies a decode row's drafts, trims its tokens at a stop
+(``sequence.stop_reason``) and keeps the state after the last accepted one.
 
 Per request it keeps :class:`SeqTensors` (recurrent state, sampling
-generator, last target hidden for EAGLE) from ``start`` until ``drop``.
+generator, last target hidden for EAGLE, pending state exports) from its first
+step (or ``load_handoff``) until ``drop``.
 
 KV cache, per attention layer: ``(k, v)``, each ``[num_blocks, unit,
 kv_heads, head_dim]`` in the engine dtype; block ``b`` of the table holds
-positions ``[b * unit, (b + 1) * unit)`` of its request.
+positions ``[b * unit, (b + 1) * unit)`` of its request. State slots:
+``state_slots.py``.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import KVExport
+from hybridpd.engine.base import KVExport, StateCheckpoint
 from hybridpd.engine.native import exports, sampler
 from hybridpd.engine.native.attention import AttentionLayer
 from hybridpd.engine.native.delta import DeltaState
@@ -33,8 +41,10 @@ from hybridpd.engine.native.eagle import DraftHead
 from hybridpd.engine.native.handoff import Handoff
 from hybridpd.engine.native.model import HybridModel, Work
 from hybridpd.engine.native.model_config import HybridModelConfig
-from hybridpd.engine.native.scheduler import ScheduledWork
-from hybridpd.engine.native.sequence import Sequence
+from hybridpd.engine.native.sequence import Sequence, stop_reason
+from hybridpd.engine.native.state_cache import slots_for
+from hybridpd.engine.native.state_slots import StateSlots
+from hybridpd.engine.native.step import RowResult, ScheduledWork
 from hybridpd.engine.native.weights import load_weights
 from hybridpd.errors import ConfigError
 from hybridpd.hashing import BlockHash
@@ -45,24 +55,26 @@ class SeqTensors:
     delta: list[DeltaState]
     gen: torch.Generator
     last_hidden: torch.Tensor | None = None
-
-
-@dataclass(slots=True)
-class StepRow:
-    """One request's share of an executed step."""
-
-    work: Work
-    #: EAGLE drafts the target verified in this decode row (empty: none)
-    drafts: list[int]
-    #: their draft distributions when sampling (rejection sampling needs them)
-    draft_probs: torch.Tensor | None
+    #: the states a running prefill snapshotted (ascending), exported at the prompt's end
+    pending_exports: list[StateCheckpoint] = field(default_factory=list)
 
 
 class ModelRunner:
-    def __init__(self, cfg: HybridPDConfig, path: Path, unit: int, record_logits: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: HybridPDConfig,
+        path: Path,
+        unit: int,
+        *,
+        record_logits: bool = False,
+        num_state_slots: int | None = None,
+        export_checkpoints: bool = False,
+    ) -> None:
         self.device = torch.device(cfg.device)
         self.dtype = torch.float32 if cfg.engine_dtype() == "float32" else torch.bfloat16
         self.mcfg = HybridModelConfig.load(path / "config.json")
+        self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)
+        self.export_checkpoints = export_checkpoints
         weights = load_weights(path / "model.safetensors", self.dtype, self.device)
         self.model = HybridModel(self.mcfg, weights, self.device)
         self.draft: DraftHead | None = None
@@ -80,6 +92,9 @@ class ModelRunner:
             )
             for _ in self.model.attn_layers
         ]
+        if num_state_slots is None:  # tests pass a count; engines size from the budget
+            num_state_slots = slots_for(cfg.state_cache_mb, len(self.model.delta_layers), m)
+        self.slots = StateSlots(num_state_slots, len(self.model.delta_layers), m, self.device)
         self.tensors: dict[str, SeqTensors] = {}
         #: rid -> fp32 logits that chose each emitted token (tests compare paths)
         self.logit_log: dict[str, list[torch.Tensor]] | None = {} if record_logits else None
@@ -89,7 +104,7 @@ class ModelRunner:
         return len(self.model.delta_layers)
 
     # -- per-request tensors ---------------------------------------------------------
-    def start(self, seq: Sequence, restored: list[DeltaState] | None = None) -> SeqTensors:
+    def _start(self, seq: Sequence, restored: list[DeltaState] | None = None) -> SeqTensors:
         """Tensors of a request entering its first step (from a restored state, or empty)."""
         gen = torch.Generator(device="cpu")
         seed = seq.request.sampling.seed
@@ -102,30 +117,98 @@ class ModelRunner:
         self.tensors.pop(rid, None)
 
     # -- the step --------------------------------------------------------------------
-    def execute(self, scheduled: list[ScheduledWork]) -> list[StepRow]:
-        """Propose EAGLE drafts, then run every request's share of the step in one
-        forward. Every scheduled request must have been ``start``ed.
-
-        NOTE: a Work's ``delta`` IS its request's state list: the forward leaves
-        each request's state after its last computed token in place (a decode
-        row's state after every token is in ``work.token_states``; ``accept``
-        picks the one of the last accepted token)."""
+    def run(self, scheduled: list[ScheduledWork]) -> list[RowResult]:
+        """Run one step: every request's share in one forward, then what each row
+        produced (module docstring). Snapshot slots must have been reserved
+        (``seq.snapshot_slots``)."""
+        for sw in scheduled:  # restores are read before any snapshot is written
+            if sw.admitted:
+                slot = sw.seq.restore_slot
+                self._start(sw.seq, self.slots.read(slot) if slot is not None else None)
         drafts = self._propose(scheduled)
-        rows: list[StepRow] = []
+        works: list[Work] = []
         for sw in scheduled:
             seq = sw.seq
             t = self.tensors[seq.rid]
             start = seq.num_computed
-            d, dp = drafts.get(seq.rid, ([], None))
             if sw.decode:
-                work = Work(torch.tensor([seq.token_ids[-1], *d]), start, seq.block_ids, t.delta, True)
+                d = drafts.get(seq.rid, ([], None))[0]
+                works.append(Work(torch.tensor([seq.token_ids[-1], *d]), start, seq.block_ids, t.delta, True))
             else:
                 snap = frozenset(p for p in seq.snapshot_at if start < p <= start + sw.num_tokens)
                 tokens = seq.token_ids[start : start + sw.num_tokens]
-                work = Work(torch.tensor(tokens), start, seq.block_ids, t.delta, False, snap)
-            rows.append(StepRow(work, d, dp))
-        self.model.forward([r.work for r in rows], self.kv_caches)
-        return rows
+                works.append(Work(torch.tensor(tokens), start, seq.block_ids, t.delta, False, snap))
+        # NOTE: a Work's ``delta`` IS its request's state list: the forward leaves each
+        # request's state after its last computed token in place (a decode row's state
+        # after every token is in ``work.token_states``; ``_decoded`` keeps the right one)
+        self.model.forward(works, self.kv_caches)
+        return [
+            self._decoded(sw.seq, w, *drafts.get(sw.seq.rid, ([], None))) if sw.decode else self._prefilled(sw, w)
+            for sw, w in zip(scheduled, works, strict=True)
+        ]
+
+    def _prefilled(self, sw: ScheduledWork, work: Work) -> RowResult:
+        """Write a chunk's snapshots; at the prompt's end, sample the first token and
+        hand out the exports (and the handoff of a ``prefill_only`` request)."""
+        seq = sw.seq
+        t = self.tensors[seq.rid]
+        for pos, states in sorted(work.snapshots.items()):
+            slot = seq.snapshot_slots.get(pos)
+            if slot is not None:
+                self.slots.write(slot, states)
+            if self.export_checkpoints:
+                key = seq.block_hashes[pos // self.unit - 1]
+                t.pending_exports.append(
+                    exports.export_state(self.model_id, states, pos, key, speculative=pos in seq.placed)
+                )
+        if seq.num_computed + sw.num_tokens < seq.num_prompt:
+            return RowResult()
+        assert work.hidden is not None
+        last_logits = self.model.logits(work.hidden[-1:])
+        self._log_logits(seq.rid, last_logits)
+        t.last_hidden = work.hidden[-1].clone()
+        token = sampler.pick(last_logits[0], seq.request.sampling, t.gen)
+        out = RowResult((token,))
+        if t.pending_exports:
+            # KV is exported now, not at the snapshot: the store needs every full
+            # prompt block, including the replay block after the checkpoint that
+            # an EAGLE hit drops. One copy serves every checkpoint of the prompt.
+            full = seq.num_prompt // self.unit * self.unit
+            kv = self.export_kv(seq.block_ids, full, seq.block_hashes[: full // self.unit])
+            out.exports = [(kv, state) for state in t.pending_exports]
+            t.pending_exports = []
+        if seq.prefill_only and stop_reason(seq.request.sampling, self.mcfg.eos_token_id, token, 1) is None:
+            out.handoff = Handoff(
+                request=seq.request,
+                first_token_id=token,
+                num_cached_tokens=seq.num_cached,
+                kv=exports.export_kv(self.model_id, self.kv_caches, seq.block_ids, seq.num_prompt),
+                state=exports.export_state(self.model_id, t.delta, seq.num_prompt, None),
+                draft=exports.export_draft(self.model_id, t.last_hidden, seq.num_prompt),
+            )
+        return out
+
+    def _decoded(self, seq: Sequence, work: Work, drafts: list[int], draft_probs: torch.Tensor | None) -> RowResult:
+        """The tokens a decode row emits (the pending token's successor, then accepted
+        drafts and a correction), trimmed at a stop; keeps the state after the last."""
+        t = self.tensors[seq.rid]
+        assert work.hidden is not None
+        logits = self.model.logits(work.hidden)
+        sp = seq.request.sampling
+        if drafts:
+            emitted = sampler.verify(logits, drafts, draft_probs, sp, t.gen)
+        else:
+            emitted = [sampler.pick(logits[0], sp, t.gen)]
+        keep = len(emitted)
+        for i, tok in enumerate(emitted):
+            if stop_reason(sp, self.mcfg.eos_token_id, tok, seq.num_output + i + 1) is not None:
+                keep = i + 1
+                break
+        self._log_logits(seq.rid, logits[:keep])
+        accepted = len(emitted) - 1  # the target computed the pending token + this many drafts
+        t.delta = work.token_states[accepted]
+        t.last_hidden = work.hidden[accepted].clone()
+        return RowResult(tuple(emitted[:keep]), len(drafts), len(emitted))
 
     def _propose(self, scheduled: list[ScheduledWork]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """EAGLE drafts for every decoding request of the step, in one batch."""
@@ -149,34 +232,7 @@ class ModelRunner:
         )
         return {seq.rid: g for (seq, _, _), g in zip(rows, got, strict=True)}
 
-    def sample_first(self, seq: Sequence, work: Work) -> int:
-        """The token after the prompt, from the last row of its final prefill chunk."""
-        t = self.tensors[seq.rid]
-        assert work.hidden is not None
-        last_logits = self.model.logits(work.hidden[-1:])
-        self.log_logits(seq.rid, last_logits)
-        t.last_hidden = work.hidden[-1].clone()
-        return sampler.pick(last_logits[0], seq.request.sampling, t.gen)
-
-    def verify(self, seq: Sequence, row: StepRow) -> tuple[list[int], torch.Tensor]:
-        """The tokens a decode row emits (the pending token's successor, then
-        accepted drafts and a correction) and the target logits of each row."""
-        t = self.tensors[seq.rid]
-        assert row.work.hidden is not None
-        logits = self.model.logits(row.work.hidden)
-        sp = seq.request.sampling
-        if row.drafts:
-            return sampler.verify(logits, row.drafts, row.draft_probs, sp, t.gen), logits
-        return [sampler.pick(logits[0], sp, t.gen)], logits
-
-    def accept(self, rid: str, row: StepRow, accepted: int) -> None:
-        """Keep the state after the pending token and ``accepted`` drafts."""
-        t = self.tensors[rid]
-        assert row.work.hidden is not None
-        t.delta = row.work.token_states[accepted]
-        t.last_hidden = row.work.hidden[accepted].clone()
-
-    def log_logits(self, rid: str, rows: torch.Tensor) -> None:
+    def _log_logits(self, rid: str, rows: torch.Tensor) -> None:
         if self.logit_log is not None:
             self.logit_log.setdefault(rid, []).extend(r.clone() for r in rows)
 
@@ -190,37 +246,21 @@ class ModelRunner:
             st += [(m.conv_kernel - 1, m.conv_dim), (m.delta_heads, m.delta_key_dim, m.delta_value_dim)]
         return kv, st
 
-    def export_kv(
-        self, model_id: str, block_ids: list[int], length: int, block_hashes: list[BlockHash] | tuple[()] = ()
-    ) -> KVExport:
-        return exports.export_kv(model_id, self.kv_caches, block_ids, length, block_hashes)
+    def export_kv(self, block_ids: list[int], length: int, block_hashes: list[BlockHash] | tuple[()] = ()) -> KVExport:
+        return exports.export_kv(self.model_id, self.kv_caches, block_ids, length, block_hashes)
 
-    def make_handoff(self, model_id: str, seq: Sequence, token: int) -> Handoff:
-        """Owned copies of what decode needs after ``seq``'s prompt and first ``token``."""
-        t = self.tensors[seq.rid]
-        assert t.last_hidden is not None
-        n = seq.num_prompt
-        return Handoff(
-            request=seq.request,
-            first_token_id=token,
-            num_cached_tokens=seq.num_cached,
-            kv=exports.export_kv(model_id, self.kv_caches, seq.block_ids, n),
-            state=exports.export_state(model_id, t.delta, n, None),
-            draft=exports.export_draft(model_id, t.last_hidden, n),
-        )
-
-    def check_handoff(self, model_id: str, handoff: Handoff, n: int) -> None:
+    def check_handoff(self, handoff: Handoff, n: int) -> None:
         """IntegrityError unless ``handoff`` is ``n`` prompt tokens of this model."""
         kv_shapes, st_shapes = self.expected_shapes(n)
-        exports.check_meta(handoff.kv.meta, model_id, "kv", kv_shapes)
-        exports.check_meta(handoff.state.meta, model_id, "state", st_shapes)
-        exports.check_meta(handoff.draft.meta, model_id, "draft", [(self.mcfg.hidden_size,)])
+        exports.check_meta(handoff.kv.meta, self.model_id, "kv", kv_shapes)
+        exports.check_meta(handoff.state.meta, self.model_id, "state", st_shapes)
+        exports.check_meta(handoff.draft.meta, self.model_id, "draft", [(self.mcfg.hidden_size,)])
 
     def load_handoff(self, seq: Sequence, handoff: Handoff) -> None:
         """Write ``handoff``'s KV into ``seq``'s blocks and start its tensors from its
         state and draft hidden (metas already checked)."""
         exports.import_kv(handoff.kv, self.kv_caches, seq.block_ids)
-        t = self.start(seq, exports.import_state(handoff.state, self.device))
+        t = self._start(seq, exports.import_state(handoff.state, self.device))
         t.last_hidden = handoff.draft.buffers[0].to(self.device).clone()
 
     def write_kv_block(self, block: int, index: int, kv: KVExport) -> None:
@@ -230,3 +270,7 @@ class ModelRunner:
         for li, (k_cache, v_cache) in enumerate(self.kv_caches):
             AttentionLayer.write(k_cache, table, index * self.unit, kv.buffers[2 * li][rows])
             AttentionLayer.write(v_cache, table, index * self.unit, kv.buffers[2 * li + 1][rows])
+
+    def write_state(self, slot: int, state: StateCheckpoint) -> None:
+        """Write an imported checkpoint's states into ``slot`` (metas already checked)."""
+        self.slots.write(slot, exports.import_state(state, self.device))

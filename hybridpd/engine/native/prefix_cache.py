@@ -4,16 +4,20 @@ Two tensor-free pools keyed by chain hashes (``hybridpd.hashing``)::
 
     kv_pool     attention KV blocks, one per ``unit`` tokens (tensors: ModelRunner)
     state_pool  recurrent-state checkpoints, keyed by the hash at their
-                position (tensors: StateCache; evicted by value, not age)
+                position (StateCache, evicted by value, not age; tensors:
+                the runner's StateSlots)
 
 What enters them, and when:
 
 * a completed prompt's full blocks (``register_prompt``; never decode's KV);
-* the checkpoints a prefill snapshots (``save_checkpoint``: the tail and any
-  extra positions the request named; positions from ``hybridpd.checkpoints``),
-  each exported with the prompt's full KV when the prompt completes if
-  ``export_checkpoints`` (``pop_exports``: for the store, which writes the KV
-  blocks it lacks, so the shared blocks go in once);
+* the checkpoints a prefill snapshots: ``plan`` reserves and keys a slot for
+  each position a scheduled chunk snapshots (the tail, the extra positions the
+  request named, the router's placed ones; ``hybridpd.checkpoints``) before
+  the runner runs the step and writes them; ``commit`` releases them after it
+  (``abandon`` forgets them when the step failed). The runner exports them
+  with the prompt's full KV when the prompt completes if the engine exports
+  checkpoints; ``register_prompt`` queues those for ``pop_exports`` (the
+  store writes the KV blocks it lacks, so the shared blocks go in once);
 * a verified store checkpoint (``import_checkpoint``).
 
 Every change of either pool goes to the :class:`CacheEventLog`
@@ -31,10 +35,10 @@ from hybridpd.engine.base import CacheEvent, CacheGroup, KVExport, StateCheckpoi
 from hybridpd.engine.native import exports
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.cache_events import CacheEventLog
-from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_runner import ModelRunner
 from hybridpd.engine.native.sequence import Sequence
 from hybridpd.engine.native.state_cache import StateCache
+from hybridpd.engine.native.step import ScheduledWork
 from hybridpd.errors import IntegrityError
 from hybridpd.hashing import BlockHash, BlockHasher
 
@@ -45,24 +49,21 @@ class PrefixCache:
     def __init__(
         self,
         runner: ModelRunner,
-        model_id: str,
         hasher: BlockHasher,
         *,
         num_kv_blocks: int,
-        num_state_slots: int,
         mamba_block_size: int,
         enabled: bool,
-        export_checkpoints: bool,
         half_life_s: float = 1800.0,
         placement_share: float = 0.5,
     ) -> None:
-        self.runner = runner
-        self.model_id = model_id
+        self.runner = runner  # only to write what import_checkpoint enters
+        self.model_id = runner.model_id
         self.hasher = hasher
         self.unit = hasher.unit
         self.mamba_block_size = mamba_block_size
         self.enabled = enabled
-        self.export_checkpoints = export_checkpoints
+        num_state_slots = runner.slots.num_slots
         # NOTE: the limit exceeds what the pools can hold, so a resync always fits in it
         self.events = CacheEventLog(4 * (num_kv_blocks + num_state_slots), self._cached_now)
         self.kv_pool = BlockPool(num_kv_blocks, self.events.sink(CacheGroup.KV))
@@ -70,36 +71,31 @@ class PrefixCache:
             num_state_slots,
             runner.num_delta_layers,
             runner.mcfg,
-            runner.device,
             self.events.sink(CacheGroup.STATE),
             half_life_s=half_life_s,
             speculative_share=placement_share,
         )
         self.state_pool = self.state_cache.pool
         self.exports: list[tuple[KVExport, StateCheckpoint]] = []
-        #: rid -> the states a running prefill snapshotted (ascending), until its prompt completes
-        self.pending_exports: dict[str, list[StateCheckpoint]] = {}
 
     def _cached_now(self) -> list[tuple[CacheGroup, list[BlockHash]]]:
         return [(CacheGroup.KV, list(self.kv_pool.cached)), (CacheGroup.STATE, list(self.state_pool.cached))]
 
-    # -- a prefill's blocks and checkpoint -------------------------------------------------
-    def register_prompt(self, seq: Sequence) -> None:
-        """Cache the full blocks of ``seq``'s completed prompt; export its checkpoints."""
-        if self.enabled:
-            for i in range(seq.num_prompt // self.unit):
-                self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
-        states = self.pending_exports.pop(seq.rid, None)
-        if states:
-            # KV is exported now, not at the snapshot: the store needs every full
-            # prompt block, including the replay block after the checkpoint that
-            # an EAGLE hit drops. One copy serves every checkpoint of the prompt.
-            full = seq.num_prompt // self.unit * self.unit
-            kv = self.runner.export_kv(self.model_id, seq.block_ids, full, seq.block_hashes[: full // self.unit])
-            self.exports.extend((kv, state) for state in states)
+    # -- a step's snapshots, a prefill's blocks and exports --------------------------------
+    def plan(self, scheduled: list[ScheduledWork]) -> None:
+        """Before the runner runs ``scheduled``: count each admission's restore, then
+        reserve and key a slot for each position a chunk snapshots
+        (``seq.snapshot_slots``; None where no slot is free or the key is held)."""
+        for sw in scheduled:
+            seq = sw.seq
+            if sw.admitted and seq.restore_slot is not None:
+                self.state_cache.restored(seq.restore_slot, hit=not seq.request.background)
+        for sw in scheduled:
+            seq = sw.seq
+            seq.snapshot_slots = {} if sw.decode else {p: self._reserve(seq, p) for p in sorted(seq.snapshot_at)}
 
-    def save_checkpoint(self, seq: Sequence, pos: int, states: list[DeltaState]) -> None:
-        """Keep state@pos in a slot keyed by the chain hash of ``[0, pos)``.
+    def _reserve(self, seq: Sequence, pos: int) -> int | None:
+        """A slot for state@pos keyed by the chain hash of ``[0, pos)``.
 
         NOTE: vLLM writes the tail's state into slot column ceil(N/B) - 2 (an
         extra checkpoint: ceil(pos/B) - 1), whose natural key is
@@ -107,22 +103,37 @@ class PrefixCache:
         a restore would return state@pos as another boundary. Our slots are
         keyed explicitly by the hash at ``pos``.
         """
-        key = seq.block_hashes[pos // self.unit - 1]
         b = self.mamba_block_size
         col = checkpoint_slot_column(seq.num_prompt, b) if pos == seq.tail_checkpoint else extra_slot_column(pos, b)
         if natural_position(col, b) != pos:
             logger.debug(
                 "%s: slot column %d re-keyed from state@%d to state@%d", seq.rid, col, natural_position(col, b), pos
             )
-        placed = pos in seq.placed  # speculative until a restore reads it
-        self.state_cache.store(key, states, pos, speculative=placed)
-        if self.export_checkpoints:
-            state = exports.export_state(self.model_id, states, pos, key, speculative=placed)
-            self.pending_exports.setdefault(seq.rid, []).append(state)
+        key = seq.block_hashes[pos // self.unit - 1]
+        return self.state_cache.store(key, pos, speculative=pos in seq.placed)  # placed: speculative until read
 
-    def drop(self, rid: str) -> None:
-        """Forget what a finished (or aborted) request left pending."""
-        self.pending_exports.pop(rid, None)
+    def commit(self, scheduled: list[ScheduledWork]) -> None:
+        """After the runner wrote the step's snapshots: their slots are evictable."""
+        for sw in scheduled:
+            for slot in sw.seq.snapshot_slots.values():
+                if slot is not None:
+                    self.state_cache.written(slot)
+            sw.seq.snapshot_slots = {}
+
+    def abandon(self, scheduled: list[ScheduledWork]) -> None:
+        """The step failed: forget the slots ``plan`` keyed (none was written)."""
+        for sw in scheduled:
+            for slot in sw.seq.snapshot_slots.values():
+                if slot is not None:
+                    self.state_cache.abandon(slot)
+            sw.seq.snapshot_slots = {}
+
+    def register_prompt(self, seq: Sequence, exported: list[tuple[KVExport, StateCheckpoint]]) -> None:
+        """Cache the full blocks of ``seq``'s completed prompt; queue its exports."""
+        if self.enabled:
+            for i in range(seq.num_prompt // self.unit):
+                self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
+        self.exports.extend(exported)
 
     # -- the streams the prefill worker drains -------------------------------------------
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
@@ -163,5 +174,13 @@ class PrefixCache:
             self.kv_pool.cache(got[0], h)
             self.kv_pool.free(got)
         if self.state_cache.lookup(key) is None:
-            return self.state_cache.store(key, exports.import_state(state, self.runner.device), pos)
+            slot = self.state_cache.store(key, pos)
+            if slot is None:
+                return False
+            try:
+                self.runner.write_state(slot, state)
+            except BaseException:
+                self.state_cache.abandon(slot)
+                raise
+            self.state_cache.written(slot)
         return True

@@ -36,51 +36,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from hybridpd.checkpoints import longest_usable_hit, planned_checkpoint, requested_checkpoints
-from hybridpd.config import HybridPDConfig
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.model_config import KERNEL_CHUNK
+from hybridpd.engine.native.scheduler_config import SchedulerConfig
 from hybridpd.engine.native.sequence import SeqStatus, Sequence
+from hybridpd.engine.native.step import ScheduledWork
 from hybridpd.placement import placed_checkpoints
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduledWork:
-    seq: Sequence
-    num_tokens: int
-    decode: bool
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    unit: int
-    mamba_block_size: int
-    alignment: int | None
-    eagle: bool
-    num_spec: int
-    max_num_batched_tokens: int
-    max_num_seqs: int
-    enable_caching: bool
-    #: extra checkpoints per prefill (the deepest of the requested are kept)
-    max_extra: int = 4
-
-    @classmethod
-    def of(cls, cfg: HybridPDConfig) -> SchedulerConfig:
-        return cls(
-            unit=cfg.prefix_match_unit,
-            mamba_block_size=cfg.mamba_block_size,
-            alignment=cfg.checkpoint_alignment,
-            eagle=cfg.eagle,
-            num_spec=cfg.num_speculative_tokens,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            max_num_seqs=cfg.max_num_seqs,
-            enable_caching=cfg.enable_prefix_caching,
-            max_extra=cfg.max_extra_checkpoints,
-        )
 
 
 class Scheduler:
@@ -108,14 +73,14 @@ class Scheduler:
         for seq in self.running:
             if seq.status is SeqStatus.DECODE:
                 n = 1 + (self.cfg.num_spec if self.cfg.eagle else 0)
-                out.append(ScheduledWork(seq, n, True))
+                out.append(self._work(seq, n, True))
                 budget -= n
         for background in (False, True):
             for seq in self.running:
                 if seq.status is SeqStatus.PREFILL and seq.request.background is background:
                     n = self._chunk(seq, budget)
                     if n:
-                        out.append(ScheduledWork(seq, n, False))
+                        out.append(self._work(seq, n, False))
                         budget -= n
             queue = self.background if background else self.waiting
             if background and self.waiting:
@@ -138,9 +103,16 @@ class Scheduler:
             seq.status = SeqStatus.PREFILL
             n = self._chunk(seq, budget)
             if n:
-                out.append(ScheduledWork(seq, n, False))
+                out.append(self._work(seq, n, False))
                 budget -= n
         return budget
+
+    @staticmethod
+    def _work(seq: Sequence, n: int, decode: bool) -> ScheduledWork:
+        """``seq``'s share of this step; ``admitted`` the first time it runs."""
+        work = ScheduledWork(seq, n, decode, admitted=not seq.started)
+        seq.started = True
+        return work
 
     @staticmethod
     def _chunk_len(remaining: int, budget: int) -> int:
@@ -212,6 +184,7 @@ class Scheduler:
             return False
         seq.block_ids = blocks
         seq.num_computed = seq.num_prompt
+        seq.started = True  # its tensors come with the handoff (ModelRunner.load_handoff)
         seq.status = SeqStatus.DECODE
         self.running.append(seq)
         logger.debug("admit handoff %s: prompt %d, cached %d", seq.rid, seq.num_prompt, seq.num_cached)

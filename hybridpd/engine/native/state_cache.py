@@ -1,22 +1,22 @@
-"""Recurrent-state checkpoint slots: the state half of the prefix cache.
+"""Recurrent-state checkpoint slots: the state half of the prefix cache (tensor-free).
 
 One slot holds the state of every delta layer after exactly ``pos`` tokens of
 some prefix, keyed by the chain hash of ``[0, pos)`` (never by a slot column:
-see ``PrefixCache.save_checkpoint``)::
-
-    conv: [num_slots, n_delta, conv_kernel - 1, conv_dim]          fp32
-    ssm:  [num_slots, n_delta, heads, key_dim, value_dim]          fp32
+see ``PrefixCache.plan``). The tensors are the runner's (``state_slots.py``);
+this class decides which slot holds what.
 
 The bookkeeping is a tensor-free :class:`BlockPool` (``pool``; the scheduler
 looks hits up in it). A stored slot is cached and free at once: always
-evictable (an admission reads its hit in the same step, before any
-``store``). There is ONE write path, :meth:`store`,
-for checkpoints saved during prefill and for checkpoints imported from the
-store, and one read path, :meth:`read`, for the restore at admission.
+evictable (an admission's restore is read at the start of the same step,
+before any snapshot is written). There is ONE way in, :meth:`store`, for
+checkpoints snapshotted during prefill and for checkpoints imported from the
+store: it keys a slot and keeps it busy until the caller wrote its tensors
+(:meth:`written`; :meth:`abandon` when the write never happened). A restore
+at admission is counted by :meth:`restored`.
 
 Eviction is by value (``hybridpd/checkpoint_value.py``), not age: per slot we
-keep its position, its hits (each :meth:`read`, i.e. each admission that
-restores it) and its last use (store or read: seconds on ``clock``, and
+keep its position, its hits (each :meth:`restored`, i.e. each admission that
+restores it) and its last use (store or restore: seconds on ``clock``, and
 ``writes``, the slots written so far, for the turnover age); when ``store``
 needs a slot the pool takes a free uncached one, else the cached one of
 lowest ``value_rank`` (ties: the oldest in the free queue). Every slot holds
@@ -36,13 +36,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
-
-import torch
+from collections.abc import Callable, Iterable
 
 from hybridpd.checkpoint_value import ComputeModel, checkpoint_value, value_rank
 from hybridpd.engine.native.block_pool import BlockPool, EventSink
-from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.hashing import BlockHash
 
@@ -69,14 +66,12 @@ class StateCache:
         num_slots: int,
         num_delta_layers: int,
         mcfg: HybridModelConfig,
-        device: torch.device,
         on_event: EventSink | None = None,
         *,
         half_life_s: float = 1800.0,
         clock: Callable[[], float] = time.monotonic,
         speculative_share: float = 0.5,
     ) -> None:
-        m = mcfg
         self.num_delta_layers = num_delta_layers
         self.slot_bytes = slot_bytes(num_delta_layers, mcfg)
         self.compute = ComputeModel.of(mcfg)
@@ -93,72 +88,63 @@ class StateCache:
         self.speculative = [False] * num_slots  # meaningful while cached
         self.max_speculative = max(1, int(speculative_share * num_slots))
         self._evict_speculative = False  # _victim: take the least valuable speculative slot
-        # NOTE: delta states are fp32 in every engine dtype (delta.DeltaState)
-        self.conv = torch.zeros(
-            num_slots, num_delta_layers, m.conv_kernel - 1, m.conv_dim, dtype=torch.float32, device=device
-        )
-        self.ssm = torch.zeros(
-            num_slots,
-            num_delta_layers,
-            m.delta_heads,
-            m.delta_key_dim,
-            m.delta_value_dim,
-            dtype=torch.float32,
-            device=device,
-        )
 
     def lookup(self, key: BlockHash) -> int | None:
         return self.pool.lookup(key)
 
-    def store(self, key: BlockHash, states: Sequence[DeltaState], position: int, speculative: bool = False) -> bool:
-        """Cache ``states`` (one per delta layer, after ``position`` tokens) under
-        ``key``, evicting the least valuable free slot if none is empty (a
-        ``speculative`` one past ``max_speculative``: the least valuable
-        speculative slot). True when ``key`` is cached afterwards (already was:
-        its last use is refreshed, or written now); False when no slot is free
-        (every slot is being restored: nothing is evicted for it) or a
-        speculative store is worth less than every speculative slot held."""
-        if len(states) != self.num_delta_layers:
-            raise ValueError("expected %d delta states, got %d" % (self.num_delta_layers, len(states)))
+    def store(self, key: BlockHash, position: int, speculative: bool = False) -> int | None:
+        """Key a slot by ``key`` (its state after ``position`` tokens), evicting the
+        least valuable free slot if none is empty (a ``speculative`` one past
+        ``max_speculative``: the least valuable speculative slot). Returns the
+        slot to write now, busy until :meth:`written`; None when there is
+        nothing to write: ``key`` is held already (its last use is refreshed),
+        no slot is free (each is being written), or a speculative store is worth
+        less than every speculative slot held."""
         held = self.pool.lookup(key)
         if held is not None:
             self.speculative[held] = self.speculative[held] and speculative
             self._used(held)
-            return True
+            return None
         if speculative and self.num_speculative >= self.max_speculative:
             turns = self.writes / self.pool.num_slots
             mine = value_rank(position, self.slot_bytes, 0, self.clock(), self.half_life_s, self.compute, turns)
             held_ranks = [self.rank[s] for s in self._speculative_slots() if s in self.pool.free_queue]
             if not held_ranks or mine <= min(held_ranks):
-                return False
+                return None
             self._evict_speculative = True
         try:
             got = self.pool.allocate(1)
         finally:
             self._evict_speculative = False
         if got is None:
-            return False
+            return None
         slot = got[0]
         self.speculative[slot] = speculative
-        for i, st in enumerate(states):
-            self.conv[slot, i] = st.conv
-            self.ssm[slot, i] = st.ssm
         self.pool.cache(slot, key)
         self.position[slot], self.hits[slot] = position, 0
         self._used(slot)
         self.writes += 1
-        self.pool.free(got)
-        return True
+        return slot
 
-    def read(self, slot: int, hit: bool = True) -> list[DeltaState]:
-        """Owned copies of the states in ``slot`` (a restore: the slot stays
-        cached, and counts as a hit unless ``hit`` is False: an answer checkpoint's
-        prefill, whose own checkpoint supersedes this one)."""
+    def written(self, slot: int) -> None:
+        """``store``'s slot holds its state now: cached and evictable."""
+        self.pool.free([slot])
+
+    def abandon(self, slot: int) -> None:
+        """``store``'s slot was never written (the step failed): forget its key, free it."""
+        key = self.pool.hash_of[slot]
+        if key is not None:
+            self.pool.uncache(key)
+        self.pool.free([slot])
+
+    def restored(self, slot: int, hit: bool = True) -> None:
+        """An admission restores ``slot`` (the runner reads it this step): its last
+        use is now, and it counts as a hit unless ``hit`` is False (an answer
+        checkpoint's prefill, whose own checkpoint supersedes this one)."""
         if hit:
             self.hits[slot] += 1
             self.speculative[slot] = False
         self._used(slot)
-        return [DeltaState(self.conv[slot, i].clone(), self.ssm[slot, i].clone()) for i in range(self.num_delta_layers)]
 
     def value(self, slot: int) -> float:
         """The value of cached ``slot`` now (``checkpoint_value``; tests, stats)."""
