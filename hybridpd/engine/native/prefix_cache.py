@@ -28,6 +28,7 @@ hits; only this class and the scheduler's admission/finish change them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from hybridpd.checkpoints import checkpoint_slot_column, extra_slot_column, natural_position
@@ -114,18 +115,18 @@ class PrefixCache:
 
     def commit(self, scheduled: list[ScheduledWork]) -> None:
         """After the runner wrote the step's snapshots: their slots are evictable."""
-        for sw in scheduled:
-            for slot in sw.seq.snapshot_slots.values():
-                if slot is not None:
-                    self.state_cache.written(slot)
-            sw.seq.snapshot_slots = {}
+        self._release(scheduled, self.state_cache.written)
 
     def abandon(self, scheduled: list[ScheduledWork]) -> None:
         """The step failed: forget the slots ``plan`` keyed (none was written)."""
+        self._release(scheduled, self.state_cache.abandon)
+
+    @staticmethod
+    def _release(scheduled: list[ScheduledWork], release: Callable[[int], None]) -> None:
         for sw in scheduled:
             for slot in sw.seq.snapshot_slots.values():
                 if slot is not None:
-                    self.state_cache.abandon(slot)
+                    release(slot)
             sw.seq.snapshot_slots = {}
 
     def register_prompt(self, seq: Sequence, exported: list[tuple[KVExport, StateCheckpoint]]) -> None:
