@@ -94,7 +94,7 @@ def run(device: str, dtype: str, streams: int, start: int, grow: int, gen: int) 
     warm_out = _round(served, device, _requests(warm, gen))
     cfg = served.cfg
     # the best any cache can do: the checkpoint the rule places in the cold prompt
-    ideal = checkpoint_position(start, cfg.prefix_match_unit, True)
+    ideal = checkpoint_position(start, cfg.prefix_match_unit, cfg.eagle_replay)
     mismatched = [rid for rid in reference if {**cold_out, **warm_out}[rid]["tokens"] != reference[rid]]
     warm_cached = [warm_out[rid]["cached"] for rid in warm]
     result = {

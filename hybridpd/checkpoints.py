@@ -368,7 +368,7 @@ def merge_requested(client: Sequence[int], derived: Sequence[int], num_tokens: i
 
 #: how the prompt tokens of a routed request split, in this order from token 0
 #: (``hybridpd_prefix_tokens_total{outcome}``; :func:`prefix_token_split`)
-PREFIX_OUTCOMES = ("hit", "checkpoint_missing", "evicted", "no_shared_prefix", "below_unit")
+PREFIX_OUTCOMES = ("hit", "checkpoint_missing", "evicted", "no_shared_prefix", "eagle_replay", "below_unit")
 
 
 def prefix_token_split(
@@ -384,21 +384,24 @@ def prefix_token_split(
     - ``evicted``: past that, up to the deepest hit ``seen`` allows (how far
       the router had sent this prefix before): cached once, gone by now;
     - ``no_shared_prefix``: the rest that a hit could have covered, up to the
-      largest hit the hit rule allows (``(N - 1) // u * u``, one unit less with
-      EAGLE);
+      largest hit the hit rule allows (``(N - 1) // u * u``, one unit less where
+      EAGLE replays);
+    - ``eagle_replay``: that unit (``drop_eagle_block``: the vLLM engine's EAGLE
+      drafters; never on the native engine, ``HybridPDConfig.eagle_replay``);
     - ``below_unit``: the tokens no hit can cover (the last partial unit, the
-      token the prefill must compute, EAGLE's replay unit, and the ``backoff``
-      tokens a prefill does not compute at all: vLLM's P/D prefill stops one token
-      short, so its largest hit is ``(N - 2) // u * u``).
+      token the prefill must compute, and the ``backoff`` tokens a prefill does
+      not compute at all: vLLM's P/D prefill stops one token short, so its
+      largest hit is ``(N - 2) // u * u``).
 
     >>> prefix_token_split(100, 16, False, hit=32, known=64, seen=80)
-    {'hit': 32, 'checkpoint_missing': 32, 'evicted': 16, 'no_shared_prefix': 16, 'below_unit': 4}
-    >>> prefix_token_split(10, 16, False, hit=0, known=0, seen=0)
-    {'hit': 0, 'checkpoint_missing': 0, 'evicted': 0, 'no_shared_prefix': 0, 'below_unit': 10}
+    {'hit': 32, 'checkpoint_missing': 32, 'evicted': 16, 'no_shared_prefix': 16, 'eagle_replay': 0, 'below_unit': 4}
+    >>> prefix_token_split(100, 16, True, hit=32, known=64, seen=80)
+    {'hit': 32, 'checkpoint_missing': 16, 'evicted': 16, 'no_shared_prefix': 16, 'eagle_replay': 16, 'below_unit': 4}
     """
     drop = unit if drop_eagle_block else 0
     computed = num_tokens - backoff if num_tokens > backoff else num_tokens
-    cap = max((computed - 1) // unit * unit - drop, 0) if computed > 0 else 0
+    full = max((computed - 1) // unit * unit, 0) if computed > 0 else 0
+    cap = max(full - drop, 0)
     h = min(max(hit, 0), cap)
     k = min(max(known - drop, h), cap)
     s = min(max(seen - drop, k), cap)
@@ -407,5 +410,6 @@ def prefix_token_split(
         "checkpoint_missing": k - h,
         "evicted": s - k,
         "no_shared_prefix": cap - s,
-        "below_unit": num_tokens - cap,
+        "eagle_replay": full - cap,
+        "below_unit": num_tokens - full,
     }

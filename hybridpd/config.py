@@ -229,6 +229,12 @@ class HybridPDConfig(BaseModel):
             raise ConfigError("redis_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_url)
         return self
 
+    @property
+    def eagle_replay(self) -> bool:
+        """An EAGLE hit replays a unit (``drop_eagle_block``) on the vLLM engine only
+        (docs/DESIGN.md, "Where EAGLE replays")."""
+        return self.eagle and self.engine == "vllm"
+
     def engine_dtype(self) -> str:
         """``dtype`` with 'auto' resolved for the engine (vLLM on CUDA keeps 'auto': the model's own)."""
         if self.dtype != "auto":

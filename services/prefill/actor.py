@@ -216,9 +216,9 @@ class PrefillWorker(WorkerBase):
             local = self.engine.local_hit(tokens, req.cache_salt)
         if cmd.store_hit <= local:
             return 0
-        # NOTE: under EAGLE our own hit rule drops the last cached block, so load the
-        # replay block after the hit too (the lookup promised it is in the store).
-        kv_end = min(cmd.store_hit + (u if self.cfg.eagle else 0), len(tokens) // u * u)
+        # NOTE: where EAGLE replays (cfg.eagle_replay) the hit rule drops the last cached
+        # block, so load the replay block after the hit too (the lookup promised it).
+        kv_end = min(cmd.store_hit + (u if self.cfg.eagle_replay else 0), len(tokens) // u * u)
         hashes = self.engine.hasher.chain(tokens[:kv_end], cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
@@ -252,7 +252,7 @@ class PrefillWorker(WorkerBase):
     def _tag_answer(self, req: EngineRequest) -> None:
         """Count the bytes of ``req``'s tail checkpoint export as an answer's."""
         n = len(req.prompt_token_ids)
-        pos = checkpoint_position(n, self.engine.unit, self.cfg.eagle)
+        pos = checkpoint_position(n, self.engine.unit, self.cfg.eagle_replay)
         if pos > 0:
             self.publisher.tag_answer(
                 self.engine.hasher.chain(req.prompt_token_ids[:pos], cache_salt=req.cache_salt)[-1]

@@ -117,7 +117,9 @@ class Dispatcher:
         #: per instance, the work (routing.dispatch_work) of our prefills in flight there
         self.queued: dict[str, float] = dict.fromkeys(prefill, 0.0)
         #: checkpoints our finished prefills left, until the index reports them (a hint)
-        self.recent = RecentPrefills(cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle)
+        self.recent = RecentPrefills(
+            cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle_replay
+        )
         #: how far we routed each prefix before (the ``evicted`` outcome)
         self.seen_prefixes = SeenPrefixes()
         #: how far routed prompts shared a prefix with earlier ones: the placement's prior
@@ -172,7 +174,7 @@ class Dispatcher:
         if cfg.engine != "native" or not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
             return ()
         n, u, b, a = len(req.prompt_token_ids), cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment
-        requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, cfg.eagle, cfg.max_extra_checkpoints)
+        requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, cfg.eagle_replay, cfg.max_extra_checkpoints)
         try:  # NOTE: on the event loop: O(1) candidates, a DP over at most 192 of them (ms)
             placed = place(
                 cfg.checkpoint_placement,
@@ -183,7 +185,7 @@ class Dispatcher:
                 u,
                 b,
                 a,
-                cfg.eagle,
+                cfg.eagle_replay,
                 self.divergence,
                 interval=cfg.placement_interval,
                 min_gain=cfg.placement_min_gain,
@@ -205,7 +207,8 @@ class Dispatcher:
         t0 = time.perf_counter()
         try:
             m = n - self.prefill_backoff if n > self.prefill_backoff else n  # the tokens the prefill computes
-            res = await asyncio.to_thread(self.index.lookup, hashes, m, self.cfg.prefix_match_unit, self.cfg.eagle)
+            u, drop = self.cfg.prefix_match_unit, self.cfg.eagle_replay
+            res = await asyncio.to_thread(self.index.lookup, hashes, m, u, drop)
             self.metrics.live_prefill.set(len(res.instance_hits))
             local = self.recent.merge(hashes, m, res.instance_hits)
             return _Hits(hashes, local, res.store_hit, True, res.known)

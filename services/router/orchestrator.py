@@ -169,7 +169,7 @@ class Orchestrator:
             split = prefix_token_split(
                 n,
                 cfg.prefix_match_unit,
-                cfg.eagle,
+                cfg.eagle_replay,
                 pr.num_cached_tokens,
                 route.known,
                 await seen,

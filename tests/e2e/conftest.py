@@ -53,9 +53,9 @@ class Stack(StackProcess):
 
     def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> LookupResult:
         """What the router's lookup of ``tokens`` finds in the prefix index now."""
-        eagle = "--eagle" in self.extra_args
+        replay = load_config(env={}, overrides={"eagle": "--eagle" in self.extra_args}).eagle_replay
         chain = self._hasher.chain(list(tokens), cache_salt=cache_salt)
-        return self.index.lookup(chain, len(tokens), self._hasher.unit, eagle)
+        return self.index.lookup(chain, len(tokens), self._hasher.unit, replay)
 
     def wait_store_hit(
         self, tokens: Sequence[int], at_least: int = 1, cache_salt: str | None = None, timeout_s: float = 30.0
@@ -73,6 +73,9 @@ class Stack(StackProcess):
 
 #: the flags of the shared stack but its state block size
 STACK_ARGS = ["--eagle", "--max-inflight-requests", "4"]
+#: whether this stack's EAGLE hits replay a unit (``HybridPDConfig.eagle_replay``): False,
+#: the native engine's draft head replays nothing, so its hits sit where plain hits do
+REPLAY = load_config(env={}, overrides={"eagle": True}).eagle_replay
 
 
 @pytest.fixture(scope="session")

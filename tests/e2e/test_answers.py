@@ -14,7 +14,7 @@ from openai import OpenAI
 from hybridpd.checkpoints import checkpoint_position
 from hybridpd.tokenizer import ChatMessage
 from services.router.answers import strip_stop
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import REPLAY, Stack
 from tests.wait import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -94,8 +94,8 @@ def test_next_turn_hits_the_answer_and_equals_a_no_cache_run(
     answered = len(p1.ids) + len(gen)  # prompt + answer, as the answer checkpoint computed them
     shared = next((i for i, (a, b) in enumerate(zip(ids2, list(p1.ids) + gen, strict=False)) if a != b), answered)
     assert shared >= answered - 1  # at most the stop token differs from the template's end of turn
-    want_hit = checkpoint_position(shared + 1, U, True)  # EAGLE replays the unit before it
-    assert want_hit > checkpoint_position(len(p1.ids), U, True)  # past the prompt: the answer is hit
+    want_hit = checkpoint_position(shared + 1, U, REPLAY)  # EAGLE on: where a plain hit is (native)
+    assert want_hit > checkpoint_position(len(p1.ids), U, REPLAY)  # past the prompt: the answer is hit
     assert second.usage.prompt_tokens_details.cached_tokens == want_hit
     assert second.choices[0].token_ids == run(ids2, 40)  # type: ignore[attr-defined]
     # the store put is asynchronous
@@ -163,7 +163,7 @@ def test_a_grpc_chat_hits_its_answer_too(stack: Stack, reference) -> None:  # ty
     answered = len(p1.ids) + len(gen)
     shared = next((i for i, (a, b) in enumerate(zip(ids2, list(p1.ids) + gen, strict=False)) if a != b), answered)
     assert shared >= answered - 1
-    want_hit = checkpoint_position(shared + 1, U, True)
-    assert want_hit > checkpoint_position(len(p1.ids), U, True)  # past the prompt: the answer is hit
+    want_hit = checkpoint_position(shared + 1, U, REPLAY)
+    assert want_hit > checkpoint_position(len(p1.ids), U, REPLAY)  # past the prompt: the answer is hit
     assert usage2.cached_tokens == want_hit  # type: ignore[attr-defined]
     assert gen2 == run(list(ids2), 40)

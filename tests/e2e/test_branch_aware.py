@@ -3,7 +3,8 @@ share a prefix and then diverge reuse it, the router says why a prefix
 missed, and outputs stay equal to a monolithic no-cache run.
 
 The stack runs EAGLE on, u=16, B=64, a=16 (tests/e2e/conftest.py), so every
-expected position comes from the protocol's functions with EAGLE on.
+expected position comes from the protocol's functions with this stack's
+``REPLAY`` (False: the native EAGLE head replays no unit).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from hybridpd.checkpoints import (
     requested_checkpoints,
 )
 from hybridpd.tokenizer import ChatMessage
-from tests.e2e.conftest import Stack
+from tests.e2e.conftest import REPLAY, Stack
 from tests.unit.engine_helpers import prompt
 
 pytestmark = pytest.mark.e2e
@@ -72,16 +73,16 @@ def test_fan_out_second_request_pays_for_the_junction_every_later_one_hits(
     convs = [system + list(prompt(30, 1610 + i)) for i in range(4)]
     n = len(convs[0])
     known = len(system) // U * U  # the blocks every conversation shares: 144
-    junction = junction_position(known, U, True)  # EAGLE replays the unit before it: 128
-    assert junction == 128 and junction < checkpoint_position(n, U, True)
-    assert requested_checkpoints([known], 0, n, U, B, A, True) == (junction,)
+    junction = junction_position(known, U, REPLAY)  # EAGLE on, no replay unit: 144
+    assert junction == known - (U if REPLAY else 0) and junction < checkpoint_position(n, U, REPLAY)
+    assert requested_checkpoints([known], 0, n, U, B, A, REPLAY) == (junction,)
 
     before = _prefix_metric(stack)
     first = _complete(client, convs[0])
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = _complete(client, convs[1])  # the index knows S's blocks, no state there: the junction
     assert second.usage.prompt_tokens_details.cached_tokens == 0
-    assert _split(second) == prefix_token_split(n, U, True, hit=0, known=known, seen=known)
+    assert _split(second) == prefix_token_split(n, U, REPLAY, hit=0, known=known, seen=known)
     assert _split(second)["checkpoint_missing"] == junction
     for conv in convs[2:]:
         got = _complete(client, conv)
@@ -106,14 +107,14 @@ def test_junction_in_the_restored_slot_column_is_checkpoint_missing_and_never_pr
     trunk = list(prompt(340, 1701))
     base = trunk[:300]
     first = _complete(client, base)  # leaves its tail checkpoint
-    tail = checkpoint_position(len(base), U, True)
-    assert tail == 272 and first.usage.prompt_tokens_details.cached_tokens == 0
-    _complete(client, trunk + list(prompt(20, 1702)))  # hits 272; its KV covers 340 tokens of the trunk
-    branch = trunk[:310]  # 19 shared blocks: known 304, junction 288 (EAGLE)
+    tail = checkpoint_position(len(base), U, REPLAY)
+    assert tail == 288 - (U if REPLAY else 0) and first.usage.prompt_tokens_details.cached_tokens == 0
+    _complete(client, trunk + list(prompt(20, 1702)))  # hits the tail; its KV covers 340 tokens of the trunk
+    branch = trunk[:310]  # 19 shared blocks: known 304, junction 304 (288 where EAGLE replays)
     known = len(branch) // U * U
-    junction = junction_position(known, U, True)
-    assert (known, junction) == (304, 288)
-    # the hit (272) restores from column (272 - 1) // 64 = 4; state@288 belongs in column 4 too
+    junction = junction_position(known, U, REPLAY)
+    assert (known, junction) == (304, 304 - (U if REPLAY else 0))
+    # the hit (288) restores from column (288 - 1) // 64 = 4; state@304 belongs in column 4 too
     assert extra_slot_column(junction, B) == (tail - 1) // B
     for seed in (1703, 1704, 1705):
         conv = branch + list(prompt(40, seed))
@@ -141,9 +142,9 @@ def test_chat_system_prompt_is_reusable_from_the_first_conversation(
     ]
     first_prompt = tok.chat_prompt([ChatMessage(**m) for m in msgs(questions[0])])
     ids, turns = first_prompt.ids, first_prompt.boundaries
-    expected = requested_checkpoints(turns, 0, len(ids), U, B, A, True)
+    expected = requested_checkpoints(turns, 0, len(ids), U, B, A, REPLAY)
     # the message boundary, not the tail, is what the next conversation shares
-    assert expected and expected[0] < checkpoint_position(len(ids), U, True)
+    assert expected and expected[0] < checkpoint_position(len(ids), U, REPLAY)
     first = client.chat.completions.create(
         model="tiny",
         messages=msgs(questions[0]),  # type: ignore[arg-type]

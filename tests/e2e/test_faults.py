@@ -138,7 +138,7 @@ def test_store_objects_deleted_behind_the_index(fstack: Stack, reference) -> Non
     assert _prefill_stats(fstack, "prefill_store_load_failures")["prefill-1"] == failures + 1
     # the index was repaired: the dead entry no longer promises a store hit
     # (prefill-1 published its own checkpoint for ext, which ends later than base's)
-    hit = index.lookup(hasher.chain(base), len(base), cfg.prefix_match_unit, cfg.eagle).store_hit
+    hit = index.lookup(hasher.chain(base), len(base), cfg.prefix_match_unit, cfg.eagle_replay).store_hit
     assert hit == 0 or hit > len(base) - cfg.prefix_match_unit - 1, hit
 
 

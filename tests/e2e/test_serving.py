@@ -22,7 +22,7 @@ from hybridpd.checkpoints import checkpoint_position, longest_usable_hit, planne
 from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2 as pb
 from hybridpd.v1 import generate_pb2_grpc as pb_grpc
-from tests.e2e.conftest import STACK_ARGS, Stack
+from tests.e2e.conftest import REPLAY, STACK_ARGS, Stack
 from tests.unit.engine_helpers import prompt
 
 U, A = 16, 16  # prefix_match_unit, checkpoint_alignment: the defaults
@@ -109,18 +109,18 @@ def test_extension_cached_tokens_local_and_via_store(served: Served, reference) 
     run, _ = reference
     first = list(prompt(300, 7))
     _complete(client, first, hybridpd_prefill_instance="prefill-0")
-    # the checkpoint rule (EAGLE on in this stack) says where the state was exported
-    pos = checkpoint_position(len(first), U, True)
+    # the checkpoint rule (EAGLE on in this stack, no replay unit: REPLAY) says where the state was exported
+    pos = checkpoint_position(len(first), U, REPLAY)
     ext = first + list(prompt(45, 8))
-    promised = longest_usable_hit(len(ext), U, len(first) // U, {pos}, True)
+    promised = longest_usable_hit(len(ext), U, len(first) // U, {pos}, REPLAY)
     assert promised == pos > 0
     assert stack.wait_store_hit(ext, promised) == promised  # put in the store and published asynchronously
     same = _complete(client, ext, hybridpd_prefill_instance="prefill-0")
     assert same.usage.prompt_tokens_details.cached_tokens == promised
     # same's prefill, from the hit to the end, exports ext's own tail checkpoint where the
-    # column rule lets it (B = u: at 320; B = 64: its slot column holds the restored state)
-    deeper = planned_checkpoint(promised, len(ext), len(ext), U, served.block, A, True) or promised
-    assert deeper == (320 if served.block == U else promised)
+    # column rule lets it (B = u: at its tail; B = 64: its slot column holds the restored state)
+    deeper = planned_checkpoint(promised, len(ext), len(ext), U, served.block, A, REPLAY) or promised
+    assert deeper == (checkpoint_position(len(ext), U, REPLAY) if served.block == U else promised) > 0
     assert stack.wait_store_hit(ext, deeper) == deeper
     other = _complete(client, ext, hybridpd_prefill_instance="prefill-1")
     assert other.usage.prompt_tokens_details.cached_tokens == deeper  # loaded from MooncakeStore

@@ -47,8 +47,10 @@ def test_prefix_split_partitions_the_prompt(n: int, unit: int, eagle: bool, hit:
     assert tuple(split) == PREFIX_OUTCOMES
     assert all(v >= 0 for v in split.values())
     assert sum(split.values()) == n
-    cap = max((n - 1) // unit * unit - (unit if eagle else 0), 0) if n else 0
-    assert split["below_unit"] == n - cap
+    full = max((n - 1) // unit * unit, 0) if n else 0
+    cap = max(full - (unit if eagle else 0), 0)
+    assert split["below_unit"] == n - full
+    assert split["eagle_replay"] == full - cap  # a unit where EAGLE replays (less in a one-unit prompt)
     assert split["hit"] == min(hit, cap)
 
 
@@ -59,6 +61,7 @@ def test_prefix_split_names_each_reason() -> None:
         "checkpoint_missing": 64,
         "evicted": 32,
         "no_shared_prefix": 32,
+        "eagle_replay": 0,
         "below_unit": 8,
     }
     # with EAGLE the replay unit is not a usable hit: known 128 allows 112

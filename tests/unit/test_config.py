@@ -104,3 +104,16 @@ def test_dtype_auto_resolves_per_engine(overrides: dict[str, object], want: str)
     cfg = load_config(env={}, overrides=overrides)
     assert cfg.engine_dtype() == want
     assert load_config(env={}).dtype == "auto"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "want"),
+    [
+        ({"eagle": True}, False),  # the native draft head: no replay unit
+        ({"eagle": False}, False),
+        ({"eagle": True, "engine": "vllm"}, True),  # vLLM's drafters replay the last block of a hit
+        ({"eagle": False, "engine": "vllm"}, False),
+    ],
+)
+def test_eagle_replays_a_unit_only_on_the_vllm_engine(overrides: dict[str, object], want: bool) -> None:
+    assert load_config(env={}, overrides=overrides).eagle_replay is want

@@ -37,10 +37,10 @@ def _exported(eng, toks, max_tokens: int = 1) -> list[int]:  # type: ignore[no-u
 def test_example_u8_b64_a16_n100() -> None:
     toks = prompt(100, 1)
     assert _exported(make_engine(prefix_match_unit=8, export_checkpoints=True), toks) == [96]
-    # with EAGLE the position is 88, which 16-alignment forbids: nothing exported
+    # the protocol's EAGLE position, 88, is 16-unaligned (nothing exported) where EAGLE
+    # replays (test_checkpoints.py); the native draft head does not: 96 with EAGLE too
     eng = make_engine(prefix_match_unit=8, eagle=True, export_checkpoints=True)
-    assert _exported(eng, toks) == []
-    assert eng.state_pool.num_cached == 0
+    assert not eng.cfg.eagle_replay and _exported(eng, toks) == [96]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=block_id)
@@ -48,7 +48,7 @@ def test_example_u8_b64_a16_n100() -> None:
 def test_example_19u_plus_7(eagle: bool, block: int | None) -> None:
     u = 16
     eng = make_engine(eagle=eagle, export_checkpoints=True, mamba_block_size=block)
-    assert _exported(eng, prompt(19 * u + 7, 2)) == [18 * u if eagle else 19 * u]
+    assert _exported(eng, prompt(19 * u + 7, 2)) == [19 * u]  # the native EAGLE head replays nothing
 
 
 def test_example_b16_rows() -> None:
@@ -67,22 +67,24 @@ def test_example_b16_rows() -> None:
     assert_no_leaks(eng)
 
 
-def test_rekey_u32_b32_n104_eagle() -> None:
+def test_rekey_u32_b64_n104() -> None:
+    """Position 96 goes into slot column ceil(104/64) - 2 = 0, whose natural key is
+    state@64: the slot is keyed by the hash at 96."""
     toks = prompt(104, 5)
-    eng = make_engine(prefix_match_unit=32, mamba_block_size=32, eagle=True, export_checkpoints=True)
+    eng = make_engine(prefix_match_unit=32, mamba_block_size=64, export_checkpoints=True)
     eng.generate([req("e", toks, 1)])
     ((kv, st),) = eng.pop_exports()
     chain = eng.hasher.chain(list(toks))
-    assert st.meta.position == 64 and kv.meta.position == 96  # every full prompt block
-    assert st.key == chain[1]  # hash of [0, 64), not the slot's natural state@96
-    assert eng.state_pool.lookup(chain[1]) is not None
-    assert eng.state_pool.lookup(chain[2]) is None
-    # the bytes are the true state@64: equal to a plain run that exports at 64
+    assert st.meta.position == 96 and kv.meta.position == 96  # every full prompt block
+    assert st.key == chain[2]  # hash of [0, 96), not the slot's natural state@64
+    assert eng.state_pool.lookup(chain[2]) is not None
+    assert eng.state_pool.lookup(chain[1]) is None
+    # the bytes are the true state@96: equal to a run whose column's natural key is 96
     plain = make_engine(prefix_match_unit=32, mamba_block_size=32, export_checkpoints=True)
-    plain.generate([req("p", toks[:80], 1)])
-    ((_, st64),) = plain.pop_exports()
-    assert st64.meta.position == 64
-    for a, b in zip(st.buffers, st64.buffers, strict=True):
+    plain.generate([req("p", toks[:100], 1)])
+    ((_, st96),) = plain.pop_exports()
+    assert st96.meta.position == 96
+    for a, b in zip(st.buffers, st96.buffers, strict=True):
         assert torch.equal(a, b)
 
 
@@ -103,7 +105,7 @@ def test_cross_check_long_prompts(eagle: bool) -> None:
         )
         toks = prompt(n + 2 * u, n)
         published = _exported(eng, toks[:n])
-        assert published == [checkpoint_position(n, u, eagle)]
+        assert published == [checkpoint_position(n, u, eng.cfg.eagle_replay)]
         eng.add_request(req("ext", toks, 1))
         outs = []
         while eng.has_work():
@@ -195,10 +197,11 @@ def _stored_states(events: list[CacheEvent]) -> set[BlockHash]:
 )
 def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int, block: int | None) -> None:
     """u=16, B=64 or B=u, a=16; junctions 70, 100, 150, 250 of a 300-token prompt:
-    64, 96, 144, 240 and the tail 288 (EAGLE: 48, 80, 128, 224 and 272)."""
+    64, 96, 144, 240 and the tail 288, with EAGLE too (the native head replays
+    nothing), and an EAGLE hit at the junction equals a no-cache EAGLE run."""
     u = 16
     base = prompt(300, 21)
-    want = (48, 80, 128, 224, 272) if eagle else (64, 96, 144, 240, 288)
+    want = (64, 96, 144, 240, 288)
     eng = make_engine(
         eagle=eagle, export_checkpoints=True, record_logits=True, max_num_batched_tokens=budget, mamba_block_size=block
     )
@@ -214,6 +217,35 @@ def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int, block: int | 
     got = _run(eng, "branch", branch)
     assert got[2] == want[2]
     _same(got, _no_cache(branch, eagle))
+    assert_no_leaks(eng)
+
+
+@pytest.mark.parametrize("where", ["tail", "junction", "answer"])
+def test_an_eagle_hit_is_taken_where_a_plain_one_is_and_stays_exact(where: str) -> None:
+    """The native draft head is attention-free: it chains from the target hidden at
+    the last computed position, which the prefill after any hit computes. So its
+    state at a checkpoint is empty, an EAGLE hit restores the same position as a
+    plain hit (no replay unit), and tokens and logits equal a no-cache EAGLE run's:
+    at a tail, a junction and an answer checkpoint (prompt + answer, prefilled in
+    the background)."""
+    u = 16
+    eng = make_engine(eagle=True, record_logits=True, mamba_block_size=None)
+    assert not eng.cfg.eagle_replay
+    base = prompt(300, 51)
+    if where == "tail":
+        _run(eng, "first", base)
+        nxt, want = base + prompt(40, 52), checkpoint_position(300, u, False)
+    elif where == "junction":
+        _run(eng, "first", base, (150,))
+        nxt, want = base[:150] + prompt(80, 53), 144
+    else:
+        answer = _run(eng, "first", base, max_tokens=12)[0]
+        answered = base + tuple(answer)
+        eng.generate([dataclasses.replace(req("answer", answered, 1), background=True)])
+        nxt, want = answered + prompt(30, 54), checkpoint_position(len(answered), u, False)
+    got = _run(eng, "next", nxt)
+    assert got[2] == want
+    _same(got, _no_cache(nxt, True))
     assert_no_leaks(eng)
 
 
@@ -262,7 +294,7 @@ def test_placed_checkpoints_are_exact_add_no_step_and_hit(eagle: bool, budget: i
     """Eight placed positions of a 300-token prompt (and two it cannot write: off a
     unit, past the tail) are snapshotted mid-chunk: the same steps as without them,
     exported speculative, and a request sharing [0, S) for several S hits the deepest
-    one at or below S (one unit lower with EAGLE) with outputs equal to a no-cache run."""
+    one at or below S (with EAGLE too) with outputs equal to a no-cache run."""
     u = 16
     base = prompt(300, 31)
     placed = (32, 64, 96, 128, 160, 192, 224, 256)
@@ -271,9 +303,9 @@ def test_placed_checkpoints_are_exact_add_no_step_and_hit(eagle: bool, budget: i
     eng = make_engine(export_checkpoints=True, record_logits=True, **kw)
     assert _steps(eng, "steps", base, (*placed, 40, 296)) == _steps(plain, "steps", base)
     exported = eng.pop_exports()
-    tail = checkpoint_position(300, u, eagle)
+    tail = checkpoint_position(300, u, False)
     b = eng.scheduler.cfg.mamba_block_size
-    writable = placed_checkpoints((*placed, 40, 296), 0, 300, u, b, 16, eagle, (tail,))
+    writable = placed_checkpoints((*placed, 40, 296), 0, 300, u, b, 16, False, (tail,))
     assert 40 not in writable and 296 not in writable and len(writable) >= 7
     got_positions = [st.meta.position for _, st in exported]
     assert got_positions == [*writable, tail]
@@ -282,7 +314,7 @@ def test_placed_checkpoints_are_exact_add_no_step_and_hit(eagle: bool, budget: i
     for i, shared in enumerate((100, 170, 250)):
         branch = base[:shared] + prompt(60, 40 + i)
         got = _run(eng, "branch%d" % i, branch)
-        usable = max(p for p in got_positions if p <= shared - (u if eagle else 0))
+        usable = max(p for p in got_positions if p <= shared)
         assert got[2] == usable
         _same(got, _no_cache(branch, eagle))
     assert_no_leaks(eng)

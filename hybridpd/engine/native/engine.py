@@ -338,7 +338,7 @@ class NativeEngine:
         if not self.cfg.enable_prefix_caching:
             return 0
         n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
-        pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle)
+        pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle_replay)
         return pos or 0
 
     def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
@@ -351,7 +351,8 @@ class NativeEngine:
             return ()
         n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
         b, a = cfg.mamba_block_size, cfg.alignment
-        return requested_checkpoints(request.checkpoints, num_cached, n, cfg.unit, b, a, cfg.eagle, cfg.max_extra)
+        drop = cfg.eagle_replay
+        return requested_checkpoints(request.checkpoints, num_cached, n, cfg.unit, b, a, drop, cfg.max_extra)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""

@@ -143,7 +143,7 @@ class Scheduler:
         states = {
             (i + 1) * self.cfg.unit for i in range(lead) if self.state_pool.lookup(seq.block_hashes[i]) is not None
         }
-        return longest_usable_hit(seq.num_prompt, self.cfg.unit, lead, states, self.cfg.eagle)
+        return longest_usable_hit(seq.num_prompt, self.cfg.unit, lead, states, self.cfg.eagle_replay)
 
     def _admit(self, seq: Sequence) -> bool:
         cfg = self.cfg
@@ -159,11 +159,12 @@ class Scheduler:
         seq.restore_slot = self.state_pool.cached[seq.block_hashes[hit // cfg.unit - 1]] if hit else None
         if cfg.enable_caching:
             n, b, a = seq.num_prompt, cfg.mamba_block_size, cfg.alignment
-            tail = planned_checkpoint(hit, n, n, cfg.unit, b, a, cfg.eagle)
-            extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, cfg.eagle, cfg.max_extra)
+            tail = planned_checkpoint(hit, n, n, cfg.unit, b, a, cfg.eagle_replay)
+            drop = cfg.eagle_replay
+            extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, drop, cfg.max_extra)
             seq.tail_checkpoint = tail
             seq.checkpoints = extra + (() if tail is None else (tail,))
-            seq.placed = placed_checkpoints(seq.request.placement, hit, n, cfg.unit, b, a, cfg.eagle, seq.checkpoints)
+            seq.placed = placed_checkpoints(seq.request.placement, hit, n, cfg.unit, b, a, drop, seq.checkpoints)
         logger.debug(
             "admit %s: prompt %d, hit %d, checkpoints %s, placed %s",
             seq.rid,

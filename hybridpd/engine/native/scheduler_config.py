@@ -19,6 +19,8 @@ class SchedulerConfig:
     enable_caching: bool
     #: extra checkpoints per prefill (the deepest of the requested are kept)
     max_extra: int = 4
+    #: an EAGLE hit replays one unit (``HybridPDConfig.eagle_replay``; the native head does not)
+    eagle_replay: bool = False
 
     @classmethod
     def of(cls, cfg: HybridPDConfig) -> SchedulerConfig:
@@ -32,4 +34,5 @@ class SchedulerConfig:
             max_num_seqs=cfg.max_num_seqs,
             enable_caching=cfg.enable_prefix_caching,
             max_extra=cfg.max_extra_checkpoints,
+            eagle_replay=cfg.eagle_replay,
         )
