@@ -320,6 +320,26 @@ def test_placed_checkpoints_are_exact_add_no_step_and_hit(eagle: bool, budget: i
     assert_no_leaks(eng)
 
 
+def test_a_step_short_of_slots_keeps_its_deepest_snapshots() -> None:
+    """Four state slots, two of them for placed (speculative) checkpoints; one chunk
+    snapshots eight placed positions and the tail. A step's slots stay busy until it
+    ends, so its snapshots cannot evict each other: reserved deepest first, the tail
+    (288) and the two deepest placed ones (256, 224) are cached, and a request
+    sharing [0, 260) hits 256, exactly."""
+    u = 16
+    base = prompt(300, 61)
+    eng = make_engine(num_state_slots=4, record_logits=True, placement_share=0.5)
+    _steps(eng, "first", base, (32, 64, 96, 128, 160, 192, 224, 256))
+    chain = eng.hasher.chain(list(base))
+    cached = sorted((i + 1) * u for i, h in enumerate(chain) if eng.state_pool.lookup(h) is not None)
+    assert cached == [224, 256, 288]
+    branch = base[:260] + prompt(40, 62)
+    got = _run(eng, "branch", branch)
+    assert got[2] == 256
+    _same(got, _no_cache(branch, False))
+    assert_no_leaks(eng)
+
+
 def test_the_routers_placement_lets_the_second_sharer_hit() -> None:
     """Router and engine together, no index: a first request carries the (at
     most two) positions the router's default placement (value) chose from its

@@ -205,8 +205,8 @@ class NativeEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        self.cache.plan(scheduled)
         try:
+            self.cache.plan(scheduled)
             results = self.runner.run(scheduled)
         except BaseException:
             self.cache.abandon(scheduled)  # no slot keyed for this step holds its state

@@ -152,6 +152,11 @@ class ModelRunner:
         hand out the exports (and the handoff of a ``prefill_only`` request)."""
         seq = sw.seq
         t = self.tensors[seq.rid]
+        if not set(seq.snapshot_slots) <= set(work.snapshots):  # never cache a slot left unwritten
+            raise AssertionError(
+                "%s: slots reserved at %s, snapshots taken at %s"
+                % (seq.rid, sorted(seq.snapshot_slots), sorted(work.snapshots))
+            )
         for pos, states in sorted(work.snapshots.items()):
             slot = seq.snapshot_slots.get(pos)
             if slot is not None:

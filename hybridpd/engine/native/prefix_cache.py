@@ -93,7 +93,10 @@ class PrefixCache:
                 self.state_cache.restored(seq.restore_slot, hit=not seq.request.background)
         for sw in scheduled:
             seq = sw.seq
-            seq.snapshot_slots = {} if sw.decode else {p: self._reserve(seq, p) for p in sorted(seq.snapshot_at)}
+            # deepest first: when slots run short (each stays busy for the step), the
+            # shallower, less valuable snapshots are the ones left uncached
+            deepest_first = sorted(seq.snapshot_at, reverse=True)
+            seq.snapshot_slots = {} if sw.decode else {p: self._reserve(seq, p) for p in deepest_first}
 
     def _reserve(self, seq: Sequence, pos: int) -> int | None:
         """A slot for state@pos keyed by the chain hash of ``[0, pos)``.

@@ -6,9 +6,13 @@ see ``PrefixCache.plan``). The tensors are the runner's (``state_slots.py``);
 this class decides which slot holds what.
 
 The bookkeeping is a tensor-free :class:`BlockPool` (``pool``; the scheduler
-looks hits up in it). A stored slot is cached and free at once: always
-evictable (an admission's restore is read at the start of the same step,
-before any snapshot is written). There is ONE way in, :meth:`store`, for
+looks hits up in it). A slot is busy from :meth:`store` until :meth:`written`
+(within one step: ``PrefixCache.plan`` reserves a step's snapshot slots before
+the run, deepest first, and ``commit`` releases them after it, so the snapshots
+of one step never evict each other: with every slot busy, the shallower ones
+are only exported); then it
+is cached and free at once, always evictable (an admission's restore is read at
+the start of the step, before any snapshot is written). There is ONE way in, :meth:`store`, for
 checkpoints snapshotted during prefill and for checkpoints imported from the
 store: it keys a slot and keeps it busy until the caller wrote its tensors
 (:meth:`written`; :meth:`abandon` when the write never happened). A restore
@@ -43,8 +47,8 @@ from hybridpd.engine.native.block_pool import BlockPool, EventSink
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.hashing import BlockHash
 
-#: the fewest slots an engine gets, whatever its budget (a slot is busy only while written, so any
-#: count works; a few keep some reuse when one slot exceeds the budget)
+#: the fewest slots an engine gets, whatever its budget (a slot is busy only within the step that
+#: writes it, so any count works; a few keep some reuse when one slot exceeds the budget)
 MIN_SLOTS = 4
 
 
