@@ -43,6 +43,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.report import previous_variants, spread
+from bench.stack_stats import handoff_counters
 from launch.stack_process import StackProcess
 
 
@@ -160,6 +161,7 @@ def run_workload(url: str, w: Workload, label: str) -> dict[str, Any]:
     streams = [[rng.randrange(5, 2048) for _ in range(w.end)] for _ in range(w.streams)]
     rounds: list[list[dict[str, Any]]] = []
     inc_wall = 0.0
+    handoffs: list[tuple[int, int] | None] = []  # decode's (read, not read) after round 1 and at the end
     with concurrent.futures.ThreadPoolExecutor(w.streams) as pool:
         for r, n in enumerate(tqdm(w.lengths, desc="%s rounds" % label, unit="round")):
             t0 = time.perf_counter()
@@ -167,12 +169,21 @@ def run_workload(url: str, w: Workload, label: str) -> dict[str, Any]:
             rounds.append(list(pool.map(lambda p: _one(url, p, w.max_tokens), prompts)))  # barrier
             if r > 0:
                 inc_wall += time.perf_counter() - t0
+            if r == 0 or r == len(w.lengths) - 1:
+                handoffs.append(handoff_counters(_client(), url))
     inc = [x for rnd in rounds[1:] for x in rnd]
     cached = statistics.fmean(x["cached_tokens"] for x in inc)
     recomputed = statistics.fmean(x["prompt_tokens"] - x["cached_tokens"] for x in inc)
     ttfts = sorted(x["ttft_s"] * 1e3 for x in inc)
     tokens = sum(x["prompt_tokens"] + x["completion_tokens"] for x in inc)
+    first, last = handoffs[0], handoffs[-1]
+    read = (last[0] - first[0]) / len(inc) if first and last and inc else None
+    whole = (last[0] + last[1] - first[0] - first[1]) / len(inc) if first and last and inc else None
     return {
+        # per incremental request: bytes its handoff read over NIXL (delta handoffs: what decode
+        # lacked), and what it would have read whole (the prompt's KV, state and draft hidden)
+        "handoff_bytes_per_request": read,
+        "handoff_full_bytes_per_request": whole,
         "incremental_requests": len(inc),
         "cached_tokens_per_request": cached,
         "recomputed_tokens_per_request": recomputed,
@@ -298,4 +309,22 @@ def markdown(out: dict[str, Any]) -> str:
                 spread(x, "throughput_tokens_per_s", spec="%.0f"),
             )
         )
+    handoffs = {k: x for k, x in out["variants"].items() if x.get("handoff_bytes_per_request") is not None}
+    if handoffs:
+        rows += [
+            "",
+            "| variant | handoff KiB / req (read) | whole prompt KiB / req | read / whole |",
+            "|---|---|---|---|",
+        ]
+        for k, x in handoffs.items():
+            read, whole = x["handoff_bytes_per_request"], x.get("handoff_full_bytes_per_request")
+            rows.append(
+                "| %s | %s | %s | %s |"
+                % (
+                    k,
+                    spread(x, "handoff_bytes_per_request", scale=1 / 1024),
+                    spread(x, "handoff_full_bytes_per_request", scale=1 / 1024),
+                    "%.3f" % (read / whole) if whole else "-",
+                )
+            )
     return "\n".join(rows) + "\n"

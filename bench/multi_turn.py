@@ -1,3 +1,4 @@
+# Over 350 lines: the multi-turn workload's plan, its arithmetic and the checks judged on it (pure).
 """The multi-turn workload: LMCache's multi-round QA shape, on the chat API.
 
 U users share one system prompt; each user's conversation grows every round
@@ -147,6 +148,29 @@ def _sum(rs: Sequence[dict[str, Any]], key: str) -> int | None:
     return total if rs else None
 
 
+def handoff_geometry(records: Sequence[dict[str, Any]]) -> tuple[float, float] | None:
+    """``(KV bytes per token, fixed bytes)`` of the native handoff, from two requests
+    with different prompts: a whole handoff is ``N x kv + fixed`` (the prompt's
+    KV, the final state and the draft hidden). None without two such requests."""
+    seen: dict[int, int] = {}
+    for r in records:
+        full = r.get("handoff_full_bytes")
+        if full:
+            seen.setdefault(int(r["prompt_tokens"]), int(full))
+    if len(seen) < 2:
+        return None
+    (n1, f1), (n2, f2) = sorted(seen.items())[0], sorted(seen.items())[-1]
+    kv = (f2 - f1) / (n2 - n1)
+    return kv, f1 - n1 * kv
+
+
+def handoff_bound(r: dict[str, Any], prev_prompt: int, unit: int, geometry: tuple[float, float]) -> float:
+    """Issue #28's bound on a rounds->=2 handoff: ``(new tokens + u) x KV bytes per
+    token + one state (+ draft hidden)``; new tokens are those past the previous prompt."""
+    kv, fixed = geometry
+    return (r["prompt_tokens"] - prev_prompt + unit) * kv + fixed
+
+
 def _group(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Per-request means, the answer hit ratios and TTFT over ``rs`` (records of ``per_request``)."""
     n = len(rs)
@@ -161,7 +185,15 @@ def _group(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     ]
     excess = [r["recomputed_tokens"] - r["ideal_tokens"] for r in rs]
     suffix = _sum(rs, "suffix_tokens")
+    read, full = _sum(rs, "handoff_bytes"), _sum(rs, "handoff_full_bytes")
+    bound = _sum(rs, "handoff_bound_bytes")
     return {
+        # bytes each handoff read over NIXL (delta handoffs: only what decode lacked), beside
+        # what it would have read whole (the full prompt's KV: every handoff before #28) and
+        # the bound for rounds >= 2 ((new tokens + u) x KV bytes per token + state + draft)
+        "handoff_bytes_per_request": None if read is None else read / n,
+        "handoff_full_bytes_per_request": None if full is None else full / n,
+        "handoff_bound_bytes_per_request": None if bound is None else bound / n,
         "num_requests": n,
         "prompt_tokens_per_request": sum(r["prompt_tokens"] for r in rs) / n,
         "cached_tokens_per_request": sum(r["cached_tokens"] for r in rs) / n,
@@ -192,10 +224,19 @@ def _group(rs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: Sequence[dict[str, Any]], unit: int = 16) -> dict[str, Any]:
     """Overall (rounds >= 2) figures, plus ``per_round`` (every round, round 1
-    included) and ``requests`` (each record with its arithmetic)."""
+    included) and ``requests`` (each record with its arithmetic; on our native
+    stack each rounds->=2 record gets its ``handoff_bound_bytes``, ``unit`` u)."""
     rs = per_request(records)
+    geometry = handoff_geometry(rs)
+    if geometry is not None:
+        prev: dict[Any, int] = {}
+        for r in rs:
+            p = prev.get(r["user"])
+            if p is not None and r.get("handoff_bytes") is not None:
+                r["handoff_bound_bytes"] = handoff_bound(r, p, unit, geometry)
+            prev[r["user"]] = r["prompt_tokens"]
     later = [r for r in rs if r["round"] >= 2]
     rounds = sorted({r["round"] for r in rs})
     out = _group(later) if later else {}
@@ -247,6 +288,15 @@ def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
             for r in po["requests"]
             if r["round"] >= 2 and r["recomputed_tokens"] < r["ideal_tokens"] + r["answer_tokens"]
         ]
+    for name in ("answers-cached", "prompt-only"):
+        v = variants.get(name)
+        if v is not None:
+            out[name.replace("-", "_") + "_handoff_over_bound"] = [
+                "user%d/round%d: read %d > bound %.0f" % (r["user"], r["round"], r["handoff_bytes"], bound)
+                for r in v["requests"]
+                for bound in [r.get("handoff_bound_bytes")]
+                if r["round"] >= 2 and bound is not None and r["handoff_bytes"] > bound
+            ]
     nc = variants.get("nocache")
     if ac is not None and nc is not None:
         # both build each prompt from the recalled ids: greedy answers must be equal (exactness)
@@ -290,6 +340,13 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
         out["answers_cached_ok"] = not out["answers_cached_over_bound"]
         out["answers_cached_hit_not_predicted"] = failures("answers_cached_hit_not_predicted")
         out["answers_cached_hits_protocol"] = not out["answers_cached_hit_not_predicted"]
+    for name in ("answers-cached", "prompt-only"):
+        v = variants.get(name)
+        key = name.replace("-", "_") + "_handoff"
+        if v is not None and v.get("handoff_bound_bytes_per_request") is not None:
+            out[key + "_bound"] = "handoff bytes <= (new tokens + u) x KV bytes per token + state + draft, rounds >= 2"
+            out[key + "_over_bound"] = failures(key + "_over_bound")
+            out[key + "_ok"] = not out[key + "_over_bound"]
     if po is not None:
         out["prompt_only_bound"] = "recomputed >= ideal + previous answer, per request"
         out["prompt_only_not_recomputing_answer"] = failures("prompt_only_not_recomputing_answer")

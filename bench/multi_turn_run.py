@@ -28,6 +28,7 @@ import httpx
 from bench.multi_turn import QUICK, VARIANTS, Plan, TextEncoder, Workload, build_plan, checks, lcp, summarize
 from bench.repeats import measure_variants
 from bench.report import previous_variants, spread
+from bench.stack_stats import handoff_counters
 from bench.vllm_direct import vllm_venv
 
 Messages = list[tuple[str, str]]
@@ -205,9 +206,11 @@ def run_conversations(
                 time.sleep(max(0.0, last_end[user] + w.think_ms / 1e3 - time.monotonic()))
                 before = _router_counters(client, url) if native else {}
                 pc = _prefill_counters(client, url) if native else None
+                hb = (handoff_counters(client, url) if native else None) or (0, 0)
                 res = _send(client, url, msgs, w)
                 last_end[user] = time.monotonic()
                 after = _router_counters(client, url) if native else {}
+                ha = (handoff_counters(client, url) if native else None) or (0, 0)
                 u = res["usage"]
                 rec: dict[str, Any] = {
                     "user": user + 1,
@@ -247,11 +250,14 @@ def run_conversations(
                     rec["answer_checkpoints_pending_at_send"] = _pending(
                         before.get("hybridpd_answer_checkpoints_requested", 0), pc
                     )
+                    # what this request's handoff read, and what it would have read whole
+                    rec["handoff_bytes"] = ha[0] - hb[0]
+                    rec["handoff_full_bytes"] = ha[0] - hb[0] + ha[1] - hb[1]
                 records.append(rec)
                 history[user] = [*msgs, ("assistant", res["text"])]
                 bar.update()
         bar.close()
-        out = summarize(records)
+        out = summarize(records, w.unit)
         if native:
             rc2 = _router_counters(client, url)
             requested = rc2.get("hybridpd_answer_checkpoints_requested", 0)
@@ -457,4 +463,27 @@ def markdown(out: dict[str, Any]) -> str:
                     spread(x, "per_round", i, "ttft_p90_ms"),
                 )
             )
+    handoffs = {k: x for k, x in v.items() if x.get("handoff_bytes_per_request") is not None}
+    if handoffs:
+        rows += [
+            "",
+            "Handoff bytes per request (KiB): read over NIXL (delta handoffs), the whole prompt's handoff "
+            "(what every handoff read before), and the bound (new tokens + u) x KV bytes per token + state + draft "
+            "(rounds >= 2).",
+            "",
+            "| variant | round | read KiB / req | whole prompt KiB / req | bound KiB / req |",
+            "|---|---|---|---|---|",
+        ]
+        for k, x in handoffs.items():
+            for i, y in enumerate(x["per_round"]):
+                rows.append(
+                    "| %s | %d | %s | %s | %s |"
+                    % (
+                        k,
+                        y["round"],
+                        spread(x, "per_round", i, "handoff_bytes_per_request", scale=1 / 1024),
+                        spread(x, "per_round", i, "handoff_full_bytes_per_request", scale=1 / 1024),
+                        spread(x, "per_round", i, "handoff_bound_bytes_per_request", scale=1 / 1024),
+                    )
+                )
     return "\n".join(rows) + "\n"

@@ -134,14 +134,14 @@ def _dig(d: Any, path: tuple[str | int, ...]) -> Any:
     return d
 
 
-def spread(v: dict[str, Any], *path: str | int, spec: str = "%.1f") -> str:
-    """The median at ``v[path]`` (``spec``), followed by ``(min-max)`` of the repeats
-    when they differ, e.g. ``842.8 (800.1-901.3)``; ``-`` when absent."""
+def spread(v: dict[str, Any], *path: str | int, spec: str = "%.1f", scale: float = 1.0) -> str:
+    """The median at ``v[path]`` (``spec``, times ``scale``), followed by ``(min-max)``
+    of the repeats when they differ, e.g. ``842.8 (800.1-901.3)``; ``-`` when absent."""
     med = _dig(v, path)
     if med is None:
         return "-"
-    text = spec % med
+    text = spec % (med * scale)
     low, high = _dig(v.get("min"), path), _dig(v.get("max"), path)
-    if low is not None and high is not None and (spec % low != text or spec % high != text):
-        text += " (%s-%s)" % (spec % low, spec % high)
+    if low is not None and high is not None and (spec % (low * scale) != text or spec % (high * scale) != text):
+        text += " (%s-%s)" % (spec % (low * scale), spec % (high * scale))
     return text

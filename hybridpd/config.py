@@ -1,3 +1,4 @@
+# Over 350 lines: every configuration field with its bounds and help, validated in one place.
 """The one typed configuration of hybridpd, built once and validated here.
 
 Precedence (later wins): defaults < YAML file < ``HYBRIDPD_<FIELD>`` env vars
@@ -142,6 +143,13 @@ class HybridPDConfig(BaseModel):
     dashboard_port: int = Field(8265, ge=1, le=65535, description="Ray dashboard port (local stack).")
     routing: Literal["cache_aware", "round_robin"] = Field(
         "cache_aware", description="cache_aware: cost over hits and load; round_robin: ignore the index."
+    )
+    decode_affinity_slack: int = Field(
+        4,
+        ge=0,
+        description="Decode affinity: a conversation's next turn goes to the decode instance holding its "
+        "previous turns (it reads only the new blocks), unless that one decodes this many more requests "
+        "than the least busy; then the least busy takes it.",
     )
     ray_metrics_port: int = Field(
         8090, ge=1, le=65535, description="Port of Ray's Prometheus endpoint (actor metrics), local stack."

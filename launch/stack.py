@@ -183,7 +183,10 @@ class LocalStack:
             for n in self._prefill_names()
         }
         self.decode = {
-            n: cast("ActorHandle[Any]", DecodeActor.options(name=n, **with_env(decode_opts, n)).remote(self.cfg, n))
+            n: cast(
+                "ActorHandle[Any]",
+                DecodeActor.options(name=n, **with_env(decode_opts, n)).remote(self.cfg, n, urls.redis_url),
+            )
             for n in self._decode_names()
         }
         self._wait_ready({**self.prefill, **self.decode}, timeout_s)

@@ -222,6 +222,10 @@ STATE_PLANE = dashboard(
             [
                 q("sum(rate(ray_hybridpd_handoff_offered_bytes_total[$__rate_interval]))", "offered"),
                 q("sum(rate(ray_hybridpd_nixl_read_bytes_total[$__rate_interval]))", "read"),
+                q(
+                    "sum(rate(ray_hybridpd_handoff_skipped_bytes_total[$__rate_interval]))",
+                    "not read: held by decode (delta handoffs)",
+                ),
             ],
             "Bps",
         ),

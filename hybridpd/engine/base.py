@@ -25,9 +25,11 @@ returns the new tokens. Disaggregated serving splits the lifecycle:
   the end of its prompt (its output carries the tokens sampled there: the
   first output token for the native engine, none for vLLM, whose decode
   samples it), and ``pop_handoff(request_id)`` returns the ticket decode needs;
-* decode: ``fetch_handoff(req, ticket)`` moves the bytes (native: NIXL READ
-  and checksum; vLLM: nothing, its connector pulls during steps), then
-  ``add_handoff(req, fetched)`` continues the request from there.
+* decode: ``prepare_handoff(req, ticket)`` (under the lock) holds what the
+  engine has of the prompt already, ``fetch_handoff(req, ticket)`` moves the
+  rest (native: NIXL READ of the blocks it lacks, and checksums; vLLM:
+  nothing, its connector pulls during steps), then ``add_handoff(req,
+  fetched)`` continues the request from there.
 
 Cache bookkeeping leaves the engine in two streams the prefill worker drains
 after every step: ``pop_exports()`` (partial-prefix checkpoints to put in
@@ -260,6 +262,14 @@ class Engine(Protocol):
     def pop_handoff(self, request_id: str) -> HandoffTicket | None:
         """The ticket of a finished ``prefill_only`` request (None if it has none:
         it finished at its first token). Called without the engine lock."""
+        ...
+
+    def prepare_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> int:
+        """Before ``fetch_handoff``, under the engine lock: hold what this engine
+        already has of ``ticket``'s prompt, so the fetch moves only the rest (the
+        native engine pins the KV blocks its prefix cache holds: a delta
+        handoff; vLLM: nothing). ``abort`` releases what it holds. Returns how
+        many blocks it holds."""
         ...
 
     def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> HandoffTicket:

@@ -175,6 +175,33 @@ class PrefixIndex:
             st = self.r.hkeys(self.keys.local_st(instance))
         return {BlockHash(_raw(h)) for h in kv}, {BlockHash(_raw(h)) for h in st}
 
+    def held_blocks(self, instances: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        """Per instance, how many leading blocks of the chain its local cache holds
+        (one HMGET each, in one round trip): decode affinity."""
+        if not instances or not block_hashes:
+            return {}
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            for inst in instances:
+                pipe.hmget(self.keys.local_kv(inst), list(block_hashes))
+            rows = pipe.execute()
+        out = {}
+        for inst, row in zip(instances, rows, strict=True):
+            n = 0
+            while n < len(row) and row[n] is not None:
+                n += 1
+            out[inst] = n
+        return out
+
+    def refresh_local(self, instance: str) -> None:
+        """Refresh the TTL of ``instance``'s local entries without a heartbeat (a
+        decode instance: not a prefill candidate, so not in the instance set)."""
+        with _mapped():
+            pipe = self.r.pipeline(transaction=False)
+            pipe.expire(self.keys.local_kv(instance), self.ttl_s)
+            pipe.expire(self.keys.local_st(instance), self.ttl_s)
+            pipe.execute()
+
     def clear_local(self, instance: str) -> None:
         """Drop every local entry of ``instance`` (its engine cleared its cache)."""
         with _mapped():

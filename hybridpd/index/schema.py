@@ -10,7 +10,8 @@ key                        type    meaning
 ``hpd:<m>:st:<H>``         string  state after the prefix ending in block H is
                                    in MooncakeStore; value = its position (TTL)
 ``hpd:<m>:lkv:<i>``        hash    fields H: KV of block H is in instance i's
-                                   local cache (key TTL refreshed by heartbeat)
+                                   local cache (key TTL refreshed by heartbeat;
+                                   a decode instance: by ``refresh_local``)
 ``hpd:<m>:lst:<i>``        hash    fields H: state at H in instance i's cache
 ``hpd:<m>:hb:<i>``         string  instance i is alive; value = its load (JSON),
                                    expires unless heartbeats refresh it

@@ -2,11 +2,18 @@
 
 Lifecycle of one handoff::
 
-    prefill: offer(id, tensors) -> HandoffDescriptor  (memory registered,
-             xxh3 checksum per buffer, expiry = now + timeout)
-    decode:  fetch(desc) -> READ all buffers -> verify checksums
-             -> send notification "release:<id>" -> tensors
+    prefill: offer(id, tensors, chunk_rows) -> HandoffDescriptor  (memory
+             registered, xxh3 checksum per buffer, or per chunk of
+             ``chunk_rows`` rows; expiry = now + timeout)
+    decode:  fetch(desc, skip_chunks) -> READ every buffer but the skipped
+             chunks -> verify what was read -> send "release:<id>" -> tensors
     prefill: on "release:<id>" or at expiry: scrub (zero) and deregister.
+
+Chunks: a buffer offered with ``chunk_rows = r`` is checksummed in chunks of
+``r`` rows (dim 0), and a reader may skip any chunk it holds already (a decode
+engine skips the KV blocks its prefix cache has: a *delta* handoff). A READ
+moves only the byte ranges it keeps (consecutive chunks as one range); the
+skipped rows of the returned tensors are left uninitialised.
 
 A decode that comes after the expiry gets ``HandoffError`` (checked before
 reading; and since expired buffers are zeroed before they are released, a
@@ -48,10 +55,42 @@ class HandoffError(HybridPDError):
 
 @dataclass(frozen=True, slots=True)
 class BufferSpec:
+    """One offered buffer: its shape, where it lives on the prefill side, and its
+    checksum (``xxh3``, whole buffer) or its chunks' (``chunk_xxh3``, one per
+    ``chunk_rows`` rows; ``xxh3`` is then empty)."""
+
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
     xxh3: str
+    addr: int = 0
+    dev_id: int = 0
+    chunk_rows: int = 0
+    chunk_xxh3: tuple[str, ...] = ()
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+    def chunk_range(self, c: int) -> tuple[int, int]:
+        """Byte range ``[start, end)`` of chunk ``c`` in the buffer."""
+        r = self.chunk_rows
+        return c * r * self.row_bytes, min((c + 1) * r * self.row_bytes, self.nbytes)
+
+    def kept_ranges(self, skip: frozenset[int]) -> list[tuple[int, int]]:
+        """The byte ranges a reader skipping chunks ``skip`` moves (merged)."""
+        if not self.chunk_rows:
+            return [(0, self.nbytes)] if self.nbytes else []
+        out: list[tuple[int, int]] = []
+        for c in range(len(self.chunk_xxh3)):
+            if c in skip:
+                continue
+            a, b = self.chunk_range(c)
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +100,7 @@ class HandoffDescriptor:
     handoff_id: str
     agent_name: str
     agent_metadata: bytes
-    descs: bytes
+    mem_type: str  # "DRAM" or "VRAM"
     buffers: tuple[BufferSpec, ...]
     expires_at: float  # wall clock (time.time())
 
@@ -69,9 +108,28 @@ class HandoffDescriptor:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
+    def read_bytes(self, skip_chunks: frozenset[int] = frozenset()) -> int:
+        """Bytes a fetch skipping ``skip_chunks`` moves."""
+        return sum(b - a for spec in self.buffers for a, b in spec.kept_ranges(skip_chunks))
+
 
 def _digest(t: torch.Tensor) -> str:
     return xxhash.xxh3_64_hexdigest(raw_bytes(t.cpu()))
+
+
+def _spec(t: torch.Tensor, chunk_rows: int) -> BufferSpec:
+    """The spec of an owned, contiguous tensor (chunked along dim 0 if ``chunk_rows``)."""
+    nbytes = t.numel() * t.element_size()
+    dtype = str(t.dtype).removeprefix("torch.")
+    dev = t.device.index or 0
+    if chunk_rows and t.dim() and t.shape[0]:
+        chunks = tuple(_digest(t[r : r + chunk_rows]) for r in range(0, t.shape[0], chunk_rows))
+        return BufferSpec(tuple(t.shape), dtype, nbytes, "", t.data_ptr(), dev, chunk_rows, chunks)
+    return BufferSpec(tuple(t.shape), dtype, nbytes, _digest(t), t.data_ptr(), dev)
+
+
+def _mem_type(device: torch.device) -> str:
+    return "VRAM" if device.type == "cuda" else "DRAM"
 
 
 def _agent(name: str) -> Any:
@@ -110,21 +168,23 @@ class HandoffServer:
         self._thread = threading.Thread(target=self._loop, args=(poll_s,), name="nixl-handoff", daemon=True)
         self._thread.start()
 
-    def offer(self, tensors: Sequence[torch.Tensor], handoff_id: str | None = None) -> HandoffDescriptor:
+    def offer(
+        self, tensors: Sequence[torch.Tensor], handoff_id: str | None = None, chunk_rows: Sequence[int] = ()
+    ) -> HandoffDescriptor:
+        """Offer ``tensors`` (one device); ``chunk_rows[i]`` > 0 checksums buffer ``i``
+        in chunks of that many rows, which a reader may skip (missing entries: 0)."""
         hid = handoff_id or uuid.uuid4().hex
         owned = [t.detach().contiguous() for t in tensors]
-        specs = tuple(
-            BufferSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size(), _digest(t))
-            for t in owned
-        )
+        rows = list(chunk_rows) + [0] * (len(owned) - len(chunk_rows))
+        specs = tuple(_spec(t, r) for t, r in zip(owned, rows, strict=True))
         with self.lock:  # NOTE: metadata carries the registrations: take it after registering
             reg = self.agent.register_memory(owned)
-            descs = self.agent.get_serialized_descs(self.agent.get_xfer_descs(owned))
             metadata = self.agent.get_agent_metadata()
             expires = time.time() + self.timeout_s
             self.offers[hid] = _Offer(owned, reg, expires)
         self._work.set()
-        return HandoffDescriptor(hid, self.name, metadata, descs, specs, expires)
+        mem = _mem_type(owned[0].device) if owned else "DRAM"
+        return HandoffDescriptor(hid, self.name, metadata, mem, specs, expires)
 
     def outstanding(self) -> int:
         with self.lock:
@@ -195,6 +255,14 @@ class HandoffServer:
             self._free(hid, scrub=True)
 
 
+def _verified(t: torch.Tensor, spec: BufferSpec, skip: frozenset[int]) -> bool:
+    """Whether what was read of ``t`` matches ``spec``'s checksums."""
+    if not spec.chunk_rows:
+        return _digest(t) == spec.xxh3
+    r = spec.chunk_rows
+    return all(c in skip or _digest(t[c * r : (c + 1) * r]) == d for c, d in enumerate(spec.chunk_xxh3))
+
+
 class HandoffClient:
     """Decode side."""
 
@@ -215,8 +283,12 @@ class HandoffClient:
         self.remotes[desc.agent_name] = (name, desc.agent_metadata)
         return name
 
-    def fetch(self, desc: HandoffDescriptor, device: str = "cpu") -> list[torch.Tensor]:
-        """READ, verify and release one handoff; returns owned tensors."""
+    def fetch(
+        self, desc: HandoffDescriptor, device: str = "cpu", skip_chunks: frozenset[int] = frozenset()
+    ) -> list[torch.Tensor]:
+        """READ, verify and release one handoff; returns owned tensors. Chunks
+        ``skip_chunks`` of every chunked buffer are neither read nor verified (their
+        rows are uninitialised: the caller holds them)."""
         if time.time() >= desc.expires_at:
             raise HandoffError("handoff %s expired before it was read" % desc.handoff_id)
         remote = self._remote(desc)
@@ -224,8 +296,15 @@ class HandoffClient:
         reg = self.agent.register_memory(dst)
         handle = None
         try:
-            local = self.agent.get_xfer_descs(dst)
-            remote_descs = self.agent.deserialize_descs(desc.descs)
+            pairs = [
+                ((t.data_ptr() + a, b - a, t.device.index or 0), (spec.addr + a, b - a, spec.dev_id))
+                for t, spec in zip(dst, desc.buffers, strict=True)
+                for a, b in spec.kept_ranges(skip_chunks)
+            ]
+            if not pairs:  # the reader holds every byte
+                raise HandoffError("handoff %s: nothing left to read" % desc.handoff_id)
+            local = self.agent.get_xfer_descs([p[0] for p in pairs], _mem_type(torch.device(device)))
+            remote_descs = self.agent.get_xfer_descs([p[1] for p in pairs], desc.mem_type)
             handle = self.agent.initialize_xfer("READ", local, remote_descs, remote)
             state = self.agent.transfer(handle)
             deadline = time.monotonic() + self.read_timeout_s
@@ -244,7 +323,7 @@ class HandoffClient:
                 self.agent.release_xfer_handle(handle)
             self.agent.deregister_memory(reg)
         for i, (t, spec) in enumerate(zip(dst, desc.buffers, strict=True)):
-            if _digest(t) != spec.xxh3:
+            if not _verified(t, spec, skip_chunks):
                 raise IntegrityError("handoff %s buffer %d failed its checksum" % (desc.handoff_id, i))
         try:
             self.agent.send_notif(remote, b"release:" + desc.handoff_id.encode())

@@ -1,8 +1,16 @@
 """Decode actor: fetches a handoff, decodes (EAGLE), streams tokens.
 
-The handoff ticket is opaque here: the engine fetches what it names
-(``Engine.fetch_handoff``: the native engine READs KV + state + EAGLE hidden
-over NIXL and verifies the checksum; vLLM's connector pulls during steps).
+The handoff ticket is opaque here: the engine holds what it has of the
+prompt (``Engine.prepare_handoff``, under the engine lock: the native engine
+pins the KV blocks its prefix cache keeps from the conversation's previous
+turns), then fetches the rest (``Engine.fetch_handoff``: the native engine
+READs the other KV blocks + state + EAGLE hidden over NIXL and verifies their
+checksums; vLLM's connector pulls during steps).
+
+With a Redis URL the engine's cache events (the handed-off prompts' blocks
+it keeps) are mirrored into this instance's index entries
+(``worker/index_mirror.py``): the router sends a conversation's next turn to
+the decode instance that holds its previous ones (``routing.choose_decode``).
 
 ``generate`` is a generator: the actor yields :class:`TokenChunk` objects as
 the engine produces them (a Ray streaming generator), the last one with
@@ -22,9 +30,11 @@ from dataclasses import asdict
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine, EngineRequest, HandoffTicket
 from hybridpd.engine.factory import make_engine
-from hybridpd.errors import IntegrityError, InvalidRequestError
+from hybridpd.errors import IntegrityError, InvalidRequestError, UnavailableError
+from hybridpd.index.prefix_index import PrefixIndex
 from services.worker.base import WorkerBase, ray_metrics, startup_guard
 from services.worker.engine_loop import EngineLoop
+from services.worker.index_mirror import IndexMirror
 from services.worker.messages import PrefillResult, TokenChunk
 from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS, DecodeCounters
 
@@ -38,21 +48,44 @@ class DecodeWorker(WorkerBase):
 
     counters: DecodeCounters
 
-    def __init__(self, cfg: HybridPDConfig, name: str, *, engine: Engine | None = None) -> None:
-        with startup_guard(name):
-            self._start(cfg, name, engine)
+    #: how often the index entries' TTL is refreshed (the index keeps them an hour)
+    REFRESH_S = 600.0
 
-    def _start(self, cfg: HybridPDConfig, name: str, engine: Engine | None) -> None:
+    def __init__(
+        self, cfg: HybridPDConfig, name: str, redis_url: str | None = None, *, engine: Engine | None = None
+    ) -> None:
+        with startup_guard(name):
+            self._start(cfg, name, redis_url, engine)
+
+    def _start(self, cfg: HybridPDConfig, name: str, redis_url: str | None, engine: Engine | None) -> None:
         self.cfg = cfg
         self.name = name
         self.engine = engine or make_engine(cfg, "decode", instance=name)
-        self.loop = EngineLoop(self.engine)
         self.stats_lock = threading.Lock()
         self.counters = DecodeCounters()
+        self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url and cfg.enable_prefix_caching else None
+        self.mirror = IndexMirror(name, self.index, self.counters, self.stats_lock) if self.index else None
+        self.loop = EngineLoop(self.engine, after_step=self._collect_events)
         self._stop = threading.Event()
+        if self.index is not None:
+            threading.Thread(target=self._refresh, name="index-refresh", daemon=True).start()
         self.metrics = ray_metrics(name, DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS)
         if self.metrics is not None:
             self.metrics.run(self._metric_snapshot, self._stop)
+
+    def _collect_events(self) -> None:
+        """After each step (loop thread, engine lock): the cache events, to the index."""
+        events = self.engine.pop_cache_events()
+        if events and self.mirror is not None:
+            self.mirror.add(events)
+
+    def _refresh(self) -> None:
+        while not self._stop.wait(self.REFRESH_S):
+            try:
+                assert self.index is not None
+                self.index.refresh_local(self.name)
+            except UnavailableError:
+                logger.debug("index refresh failed: index unavailable")
 
     def generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
         """Continue ``request`` from its prefill; yields chunks until finished."""
@@ -65,17 +98,27 @@ class DecodeWorker(WorkerBase):
         if ticket is None:
             raise InvalidRequestError("request %s has no handoff to continue" % request.request_id)
         t0 = time.perf_counter()
+        with self.loop.lock:
+            held = self.engine.prepare_handoff(request, ticket)
         try:
             fetched = self.engine.fetch_handoff(request, ticket)
-        except IntegrityError:
-            with self.stats_lock:
-                self.counters.checksum_failures += 1
+        except BaseException as exc:
+            if held:
+                with self.loop.lock:
+                    self.engine.abort(request.request_id)  # releases what prepare_handoff held
+            if isinstance(exc, IntegrityError):
+                with self.stats_lock:
+                    self.counters.checksum_failures += 1
             raise
+        read = fetched.nbytes  # a delta handoff: less than the ticket's
         with self.stats_lock:
             self.counters.decode_handoffs += 1
-            self.counters.nixl_read_bytes += ticket.nbytes
+            self.counters.nixl_read_bytes += read
+            self.counters.handoff_skipped_bytes += max(0, ticket.nbytes - read)
+            self.counters.delta_handoffs += 1 if held else 0
         if self.metrics is not None and ticket.nbytes:
             self.metrics.observe("nixl_read_seconds", time.perf_counter() - t0)
+            self.metrics.observe("handoff_bytes", read)
         return fetched
 
     def _generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
@@ -113,11 +156,19 @@ class DecodeWorker(WorkerBase):
     def stats(self) -> dict[str, object]:
         with self.loop.lock:
             acc = self.engine.spec.mean_acceptance_length
-        return {**self._base_stats(), "eagle_mean_acceptance_length": acc}
+        with self.stats_lock:
+            n, read = self.counters.decode_handoffs, self.counters.nixl_read_bytes
+        return {
+            **self._base_stats(),
+            "eagle_mean_acceptance_length": acc,
+            "handoff_bytes_per_request": read / n if n else 0.0,
+        }
 
     def close(self) -> None:
         self._stop.set()
         self.loop.close()
+        if self.mirror is not None:
+            self.mirror.close()
         self.engine.close()
 
 

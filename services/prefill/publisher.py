@@ -2,7 +2,7 @@
 
 Three jobs, one module each; :class:`CachePublisher` wires them to a worker:
 
-* ``index_mirror.py`` (:class:`IndexMirror`, one thread): the engine's cache
+* ``worker/index_mirror.py`` (:class:`IndexMirror`, one thread): the engine's cache
   events (``Engine.pop_cache_events``: what the local cache stored, evicted or
   cleared) mirrored into this instance's index entries, in order; outages
   replayed, lost batches cleared so the index never claims what is gone.
@@ -28,9 +28,9 @@ from hybridpd.engine.base import Engine
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.store.client import CheckpointStore
-from services.prefill.index_mirror import IndexMirror
 from services.prefill.state_budget import LedgerStats, StateBudget
 from services.prefill.store_writer import StoreWriter
+from services.worker.index_mirror import IndexMirror
 from services.worker.metrics import PrefillCounters
 
 __all__ = ["CachePublisher", "LedgerStats"]

@@ -5,7 +5,10 @@
              -> routing.choose (cost = tokens to compute + store loads + queued work)
     prefill  the routed prefill actor; a dead or unavailable one: once more on
              the next instance by name (recomputing whatever it lacks)
-    decode   a Ray streaming generator on the next decode actor (round robin);
+    decode   a Ray streaming generator on a decode actor: the one whose prefix
+             cache holds the prompt's leading blocks (the conversation's previous
+             turns: its handoff moves only the new ones) unless it is overloaded,
+             else round robin (routing.choose_decode);
              a handoff that fails before any chunk: prefill once more (elsewhere
              when possible) and go on only if it produced the same tokens
 
@@ -38,7 +41,14 @@ from hybridpd.placement import DivergenceHistory, place
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
-from services.router.routing import RecentPrefills, RouteDecision, SeenPrefixes, choose, dispatch_work
+from services.router.routing import (
+    RecentPrefills,
+    RouteDecision,
+    SeenPrefixes,
+    choose,
+    choose_decode,
+    dispatch_work,
+)
 from services.worker.api import DecodeClient, PrefillClient, WorkerClient
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
@@ -129,6 +139,8 @@ class Dispatcher:
         #: its hits and tail lie below ``N - 1`` and the lookup is capped as it is
         self.prefill_backoff = prefill_backoff(cfg)
         self._rr_decode = itertools.count()
+        #: per decode instance, our decode streams running there (decode affinity's load)
+        self.decoding: dict[str, int] = {}
         self._rr_prefill = itertools.count()
 
     # -- route --------------------------------------------------------------------------
@@ -319,11 +331,12 @@ class Dispatcher:
         actor) before the first chunk is prefilled and decoded once more; later, or
         a second time, the request fails with UnavailableError."""
         for attempt in range(2):
-            names = sorted(self.decode_actors)
-            actor = self.decode_actors[names[next(self._rr_decode) % len(names)]]
+            name = await self._pick_decode(req)
+            actor = self.decode_actors[name]
             flight.hold(actor)
             stream = actor.generate(pr, req)
             started = False
+            self.decoding[name] = self.decoding.get(name, 0) + 1
             try:
                 while (chunk := await deadline.within(stream.next())) is not None:
                     started = True
@@ -336,6 +349,24 @@ class Dispatcher:
                 logger.warning("handoff of %s failed (%s): prefilling again", req.request_id, exc)
                 self.metrics.retries.labels("handoff").inc()
                 pr = await self._prefill_again(pr, req, flight, deadline)
+            finally:
+                self.decoding[name] -= 1
+
+    async def _pick_decode(self, req: EngineRequest) -> str:
+        """The decode instance for ``req`` (``routing.choose_decode``): with more than
+        one, the index says which holds the prompt's leading blocks (one round trip;
+        an index failure degrades to round robin)."""
+        names = sorted(self.decode_actors)
+        held: dict[str, int] = {}
+        if len(names) > 1 and self.index is not None and self.cfg.enable_prefix_caching:
+            hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
+            try:
+                held = await asyncio.to_thread(self.index.held_blocks, names, hashes)
+            except UnavailableError as exc:
+                logger.warning("prefix index unavailable, decode by round robin: %s", exc)
+        name, kind = choose_decode(names, held, self.decoding, self.cfg.decode_affinity_slack, next(self._rr_decode))
+        self.metrics.decode_routing.labels(kind).inc()
+        return name
 
     async def _prefill_again(
         self, pr: PrefillResult, req: EngineRequest, flight: Flight, deadline: Deadline

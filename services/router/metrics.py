@@ -35,6 +35,13 @@ class RouterMetrics:
             registry=r,
         )
         self.routing = Counter("hybridpd_routing_decisions", "Routing decisions by kind.", ["decision"], registry=r)
+        self.decode_routing = Counter(
+            "hybridpd_decode_routing_decisions",
+            "Decode instance choices: affinity (the holder of the prompt's blocks), overloaded (the holder "
+            "was too busy), round_robin (no holder, or one decode instance).",
+            ["decision"],
+            registry=r,
+        )
         self.retries = Counter(
             "hybridpd_retries", "Work redone after a failure (prefill actor, handoff).", ["kind"], registry=r
         )

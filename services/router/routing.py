@@ -109,6 +109,29 @@ def choose(
     return RouteDecision(best, max(local, store_hit), store_hit, local, kind)
 
 
+#: why a decode instance was chosen (``hybridpd_decode_routing_decisions_total``)
+DecodeKind = Literal["affinity", "overloaded", "round_robin"]
+
+
+def choose_decode(
+    names: Sequence[str], held: Mapping[str, int], active: Mapping[str, int], slack: int, turn: int
+) -> tuple[str, DecodeKind]:
+    """The decode instance for a request: the one holding the most leading blocks
+    of its prompt (``held``: the previous turns of its conversation, so its
+    handoff moves only the new blocks), unless it decodes ``slack`` or more
+    requests beyond the least busy (``active``); then the least busy. With no
+    holder, round robin (``turn``). Ties: fewer active requests, then name."""
+    if not names:
+        raise ValueError("no decode instances")
+    best = max(names, key=lambda n: (held.get(n, 0), -active.get(n, 0), n))
+    if held.get(best, 0) <= 0:
+        return names[turn % len(names)], "round_robin"
+    least = min(names, key=lambda n: (active.get(n, 0), n))
+    if active.get(best, 0) >= active.get(least, 0) + slack and best != least:
+        return least, "overloaded"
+    return best, "affinity"
+
+
 class RecentPrefills:
     """Checkpoints this router's finished prefills left on their instances,
     until the index reports them (or ``ttl_s`` passes): a best-effort hint.

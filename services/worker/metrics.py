@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 # Buckets (seconds) that fit store, NIXL and prefill latencies.
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+BYTE_BUCKETS = [float(1 << k) for k in range(12, 35, 2)]  # 4 KiB .. 16 GiB
 ACCEPTANCE_BUCKETS = [1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0]
 
 
@@ -135,7 +136,13 @@ class DecodeCounters:
     eagle_steps: int = _counter("EAGLE verification steps.")
     eagle_emitted_tokens: int = _counter("Tokens emitted by EAGLE verification steps.")
     nixl_read_bytes: int = _counter("Bytes read from prefill over NIXL.")
+    handoff_skipped_bytes: int = _counter(
+        "Handoff bytes not read: KV blocks this instance's prefix cache held (delta handoffs)."
+    )
+    delta_handoffs: int = _counter("Handoffs that read only the blocks this instance lacked (held at least one).")
     checksum_failures: int = _counter("Handoffs whose checksum failed (never used).")
+    cache_events_published: int = _counter("Local cache changes (stored / removed / cleared) written to the index.")
+    cache_events_dropped: int = _counter("Local cache changes the index did not take (unavailable).")
 
 
 def counter_help(cls: type) -> dict[str, str]:
@@ -167,5 +174,6 @@ DECODE_GAUGES = {
 }
 DECODE_HISTOGRAMS = {
     "nixl_read_seconds": ("Time to read and verify one handoff over NIXL.", LATENCY_BUCKETS),
+    "handoff_bytes": ("Bytes one handoff read over NIXL (a delta handoff: only what decode lacked).", BYTE_BUCKETS),
     "eagle_acceptance_length": ("Tokens emitted per EAGLE step (mean over a request).", ACCEPTANCE_BUCKETS),
 }

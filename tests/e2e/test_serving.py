@@ -128,6 +128,23 @@ def test_extension_cached_tokens_local_and_via_store(served: Served, reference) 
     assert same.choices[0].token_ids == want and other.choices[0].token_ids == want  # type: ignore[attr-defined]
 
 
+def test_the_next_turn_reads_only_the_new_blocks(client: OpenAI, stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    """Decode keeps a handed-off prompt's blocks: the conversation's next turn READs
+    only the blocks it lacks (a delta handoff), and its tokens stay the reference's."""
+    run, _ = reference
+    first = list(prompt(300, 61))
+    answer = _complete(client, first).choices[0].token_ids  # type: ignore[attr-defined]
+    before = stack.stats()["decode-0"]
+    nxt = first + answer + list(prompt(40, 62))
+    got = _complete(client, nxt)
+    after = stack.stats()["decode-0"]
+    assert got.choices[0].token_ids == run(nxt, 8)  # type: ignore[attr-defined]
+    assert after["delta_handoffs"] - before["delta_handoffs"] == 1
+    skipped = after["handoff_skipped_bytes"] - before["handoff_skipped_bytes"]
+    assert skipped > 0 and skipped % (300 // U) == 0  # the first turn's 18 full blocks, not read again
+    assert after["handoff_bytes_per_request"] > 0
+
+
 def test_cache_salt_isolates_tenants(served: Served, reference) -> None:  # type: ignore[no-untyped-def]
     client, stack = served.client, served.stack
     run, _ = reference

@@ -6,6 +6,7 @@ milliseconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import statistics
 import threading
@@ -67,9 +68,7 @@ def test_read_after_timeout_fails_cleanly() -> None:
     with pytest.raises(HandoffError, match="expired"):
         client.fetch(desc)
     # even ignoring the expiry, the freed (scrubbed) buffers never pass verification
-    late = desc.__class__(
-        desc.handoff_id, desc.agent_name, desc.agent_metadata, desc.descs, desc.buffers, time.time() + 60
-    )
+    late = dataclasses.replace(desc, expires_at=time.time() + 60)
     with pytest.raises((HandoffError, IntegrityError)):
         client.fetch(late)
     stats = _finish(p, q_out, q_in)

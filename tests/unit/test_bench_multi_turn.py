@@ -245,3 +245,39 @@ def test_checks_stack_vllm() -> None:
     out = checks({**v, "stack-vllm": _variant(over)}, u)
     assert out["stack_vllm_over_bound"] == ["repeat 1: user1/round2"] and not out["stack_vllm_ok"]
     assert not out["stack_vllm_answer_hit_ok"]
+
+
+def test_handoff_bytes_against_the_bound_of_the_new_tokens() -> None:
+    """A whole handoff is N x kv + fixed; geometry is fitted from two prompts, and
+    each rounds->=2 handoff is judged against (new tokens + u) x kv + fixed."""
+    from bench.multi_turn import handoff_geometry
+
+    kv, fixed, u = 1024, 5000, 16
+
+    def whole(n: int) -> int:
+        return n * kv + fixed
+
+    def delta(n: int, prev: int) -> int:  # decode held the previous prompt's full blocks
+        return (n - prev // u * u) * kv + fixed
+
+    rows = [dict(r) for r in RECORDS]
+    prev: dict[int, int] = {}
+    for r in rows:
+        n, p = r["prompt_tokens"], prev.get(r["user"])
+        r["handoff_full_bytes"] = whole(n)
+        r["handoff_bytes"] = whole(n) if p is None else delta(n, p)
+        prev[r["user"]] = n
+    assert handoff_geometry(rows) == (kv, fixed)
+    out = summarize(rows, u)
+    later = [r for r in out["requests"] if r["round"] >= 2]
+    assert all(r["handoff_bytes"] <= r["handoff_bound_bytes"] for r in later)
+    assert out["requests"][2]["handoff_bound_bytes"] == (460 - 278 + u) * kv + fixed
+    assert out["handoff_bytes_per_request"] < out["handoff_full_bytes_per_request"]
+    assert checks({"answers-cached": out}, u)["answers_cached_handoff_ok"]
+    # a handoff that moved the whole prompt again breaks the bound, and the check says where
+    rows[4]["handoff_bytes"] = whole(642)
+    bad = checks({"answers-cached": summarize(rows, u)}, u)
+    assert not bad["answers_cached_handoff_ok"] and bad["answers_cached_handoff_over_bound"][0].startswith(
+        "repeat 1: user1/round3"
+    )
+    assert handoff_geometry(RECORDS) is None  # no handoff figures (vLLM, plain vLLM)

@@ -13,7 +13,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from hybridpd.engine.base import EngineRequest, HandoffStats, HandoffTicket, RequestOutput
+from hybridpd.engine.base import (
+    CacheEventKind,
+    CacheGroup,
+    EngineRequest,
+    HandoffStats,
+    HandoffTicket,
+    RequestOutput,
+)
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.handoff import FetchedHandoff, NativeTicket
 from hybridpd.errors import IntegrityError, InvalidRequestError, OverloadedError
@@ -87,7 +94,12 @@ def test_ticket_fields_and_pickling(pair: tuple[NativeEngine, NativeEngine]) -> 
     stats = _drained(prefill)
     assert stats.outstanding == 0 and stats.expired == 0 and len(stats.release_latencies) == 1
     assert prefill.handoff_stats().release_latencies == ()  # drained
-    assert decode.pop_cache_events() == []  # decode's KV never enters the prefix cache
+    # the handed-off prompt's full blocks enter decode's cache (the next turn's delta
+    # handoff skips them); the KV decode computed never does
+    (ev,) = decode.pop_cache_events()
+    full = decode.hasher.chain(list(TOKENS))[: len(TOKENS) // decode.unit]
+    assert (ev.kind, ev.group) == (CacheEventKind.STORED, CacheGroup.KV) and len(full) >= 2
+    assert list(ev.hashes) == list(ticket.block_hashes) == full
     assert_no_leaks(prefill)
     assert_no_leaks(decode)
 

@@ -7,7 +7,14 @@ import pytest
 from hybridpd.checkpoints import longest_usable_hit
 from hybridpd.hashing import BlockHasher
 from services.router import routing
-from services.router.routing import STORE_LOAD_COST, RecentPrefills, RouteDecision, choose, dispatch_work
+from services.router.routing import (
+    STORE_LOAD_COST,
+    RecentPrefills,
+    RouteDecision,
+    choose,
+    choose_decode,
+    dispatch_work,
+)
 
 NAMES = ["prefill-0", "prefill-1"]
 
@@ -202,3 +209,14 @@ def test_recent_prefill_expires_is_bounded_and_forgets_failed_instances(monkeypa
     assert rp.hits(chains[3], 2100) == {}
     rp.merge(chains[3], 2100, {})
     assert len(rp) == 0
+
+
+def test_the_next_turn_goes_to_the_decode_holder_unless_it_is_overloaded() -> None:
+    names = ["d0", "d1", "d2"]
+    assert choose_decode(names, {}, {}, 4, 5) == ("d2", "round_robin")
+    assert choose_decode(names, {"d1": 3}, {}, 4, 0) == ("d1", "affinity")
+    assert choose_decode(names, {"d1": 3, "d2": 5}, {"d2": 3, "d0": 0}, 4, 0) == ("d2", "affinity")
+    assert choose_decode(names, {"d1": 3, "d2": 5}, {"d2": 4, "d0": 0}, 4, 0) == ("d0", "overloaded")
+    assert choose_decode(["d0"], {"d0": 3}, {"d0": 9}, 0, 0) == ("d0", "affinity")  # nowhere else to go
+    with pytest.raises(ValueError):
+        choose_decode([], {}, {}, 4, 0)

@@ -132,6 +132,9 @@ class ToyEngine:
             ticket = ToyTicket(ticket.request_id, ticket.nbytes, None, ticket.tokens, ticket.checksum + 1)
         return ticket
 
+    def prepare_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> int:
+        return 0
+
     def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> HandoffTicket:
         if not isinstance(ticket, ToyTicket):
             raise InvalidRequestError("not a toy ticket")

@@ -127,9 +127,11 @@ class NativeEngine:
         self.kv_pool = self.cache.kv_pool
         self.state_pool = self.cache.state_pool
         self.scheduler = Scheduler(SchedulerConfig.of(cfg), self.kv_pool, self.state_pool)
-        self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device)
+        self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device, self.unit)
         #: handoffs of finished prefill_only requests, until pop_handoff (another thread)
         self._handoffs: dict[str, Handoff] = {}
+        #: rid -> {block index: cached pool block} a delta handoff holds (prepare_handoff)
+        self._pins: dict[str, dict[int, int]] = {}
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[RequestOutput] = []
         self.spec = SpecStats()
@@ -181,6 +183,7 @@ class NativeEngine:
         that decode has not read is withdrawn from NIXL (no output)."""
         dropped = self._handoffs.pop(request_id, None) is not None
         dropped |= self.transport.withdraw(request_id)  # offered, not read yet: free it now
+        dropped |= self._unpin(request_id)
         seq = self.seqs.get(request_id)
         if seq is None:
             return dropped
@@ -278,14 +281,41 @@ class NativeEngine:
         handoff = self._handoffs.pop(request_id, None)
         return None if handoff is None else FetchedHandoff.of(handoff)
 
+    def prepare_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> int:
+        """Pin the blocks of ``ticket``'s prompt this engine's prefix cache holds
+        (the conversation's previous turns), so ``fetch_handoff`` skips them and
+        no admission evicts them before ``add_handoff`` (or ``abort``) takes
+        them over. A block is held when its chain hash, computed here from the
+        request, equals the ticket's and is cached. Returns the pinned count."""
+        self._unpin(request.request_id)
+        if not (isinstance(ticket, NativeTicket) and self.cfg.enable_prefix_caching and ticket.block_hashes):
+            return 0
+        mine = self.hasher.chain(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        pins: dict[int, int] = {}
+        for i, (theirs, h) in enumerate(zip(ticket.block_hashes, mine, strict=False)):
+            slot = self.kv_pool.lookup(h) if theirs == h else None
+            if slot is not None:
+                self.kv_pool.touch([slot])
+                pins[i] = slot
+        if pins:
+            self._pins[request.request_id] = pins
+        return len(pins)
+
+    def _unpin(self, request_id: str) -> bool:
+        pins = self._pins.pop(request_id, None)
+        if pins:
+            self.kv_pool.free(sorted(pins.values(), reverse=True))
+        return bool(pins)
+
     def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> FetchedHandoff:
-        """READ and verify a ticket from a native prefill engine (the client starts
-        on first use; fetches run one at a time). Called without the engine lock."""
+        """READ and verify a ticket from a native prefill engine, but the blocks
+        ``prepare_handoff`` pinned (the client starts on first use; fetches run one
+        at a time). Called without the engine lock."""
         if not isinstance(ticket, NativeTicket):
             raise TypeError("the native engine reads NativeTicket handoffs, got %s" % type(ticket).__name__)
         if ticket.request_id != request.request_id:
             raise IntegrityError("handoff of %s offered for request %s" % (ticket.request_id, request.request_id))
-        return self.transport.fetch(request, ticket)
+        return self.transport.fetch(request, ticket, frozenset(self._pins.get(request.request_id, {})))
 
     def add_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> None:
         """Continue ``request`` from a fetched handoff (decode side of P/D)."""
@@ -294,19 +324,34 @@ class NativeEngine:
         handoff = ticket.handoff
         if handoff.request.request_id != request.request_id:
             raise IntegrityError("handoff of %s given for %s" % (handoff.request.request_id, request.request_id))
-        self._validate(request)
-        n = len(request.prompt_token_ids)
-        self.runner.check_handoff(handoff, n)
-        seq = Sequence(request, [*request.prompt_token_ids, handoff.first_token_id], n, [])
-        seq.num_cached = handoff.num_cached_tokens
-        self._check_fits(seq)
-        if not self.scheduler.admit_handoff(seq):
-            raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
+        pins = self._pins.get(request.request_id, {})
+        if not ticket.held <= pins.keys():  # its rows were never read: never use them
+            self._unpin(request.request_id)
+            raise IntegrityError("handoff %s skipped blocks this engine did not pin" % request.request_id)
         try:
-            self.runner.load_handoff(seq, handoff)
+            self._validate(request)
+            n = len(request.prompt_token_ids)
+            self.runner.check_handoff(handoff, n)
+            chain = self.hasher.chain(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+            seq = Sequence(request, [*request.prompt_token_ids, handoff.first_token_id], n, chain)
+            seq.num_cached = handoff.num_cached_tokens
+            self._check_fits(seq)
+        except BaseException:
+            self._unpin(request.request_id)
+            raise
+        pinned = {i: b for i, b in pins.items() if i in ticket.held}
+        if not self.scheduler.admit_handoff(seq, pinned):
+            self._unpin(request.request_id)
+            raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
+        extra = {i: b for i, b in self._pins.pop(request.request_id, {}).items() if i not in ticket.held}
+        if extra:  # pinned but read anyway (a fetch without the pins): the seq does not hold them
+            self.kv_pool.free(extra.values())
+        try:
+            self.runner.load_handoff(seq, handoff, ticket.held)
         except BaseException:
             self.scheduler.finish(seq)  # never run a request whose state did not load
             raise
+        self.cache.register_handoff(seq)
         self.seqs[seq.rid] = seq
 
     def handoff_stats(self) -> HandoffStats:

@@ -40,13 +40,19 @@ def export_kv(
 
 
 def import_kv(
-    kv: KVExport, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_table: list[int], first_token: int = 0
+    kv: KVExport,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    block_table: list[int],
+    first_token: int = 0,
+    end: int | None = None,
 ) -> None:
-    """Write tokens ``[first_token, kv.meta.position)`` of ``kv`` into the cache."""
+    """Write tokens ``[first_token, end)`` of ``kv`` into the cache (``end``:
+    ``kv.meta.position`` if None)."""
+    stop = kv.meta.position if end is None else end
     for li, (k_cache, v_cache) in enumerate(kv_caches):
         k, v = kv.buffers[2 * li], kv.buffers[2 * li + 1]
-        AttentionLayer.write(k_cache, block_table, first_token, k[first_token:])
-        AttentionLayer.write(v_cache, block_table, first_token, v[first_token:])
+        AttentionLayer.write(k_cache, block_table, first_token, k[first_token:stop])
+        AttentionLayer.write(v_cache, block_table, first_token, v[first_token:stop])
 
 
 def export_state(

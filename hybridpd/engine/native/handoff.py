@@ -17,6 +17,13 @@ prompt position). The ticket carries their metadata, not the bytes: decode
 rebuilds the Handoff from the READ buffers by the metas' shape counts, and the
 engine checks every shape against its own model before it uses them.
 
+Delta handoffs: the KV buffers are offered in chunks of one block (``unit``
+rows, each with its checksum) and the ticket lists the chain hashes of the
+prompt's full blocks. A decode engine whose prefix cache holds some of them
+(the previous turn of the conversation) pins them before the fetch
+(``NativeEngine.prepare_handoff``) and READs only the other blocks, the
+partial last one, the state and the draft hidden (:attr:`FetchedHandoff.held`).
+
 :class:`HandoffTransport` is the engine's NIXL plumbing. Its agents start on
 first use (a prefill engine's server on the first offer, a decode engine's
 client on the first fetch) and its methods are thread-safe: the workers call
@@ -45,6 +52,7 @@ from hybridpd.engine.base import (
     StateCheckpoint,
 )
 from hybridpd.errors import IntegrityError
+from hybridpd.hashing import BlockHash
 from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffDescriptor, HandoffServer
 
 logger = logging.getLogger(__name__)
@@ -95,6 +103,8 @@ class NativeTicket(HandoffTicket):
     draft_meta: BufferMeta
     first_token_id: int
     num_cached_tokens: int
+    #: chain hashes of the prompt's full blocks (KV chunk ``i`` is block ``i``)
+    block_hashes: tuple[BlockHash, ...] = ()
 
     @classmethod
     def offered(cls, handoff: Handoff, desc: HandoffDescriptor) -> NativeTicket:
@@ -108,6 +118,7 @@ class NativeTicket(HandoffTicket):
             draft_meta=handoff.draft.meta,
             first_token_id=handoff.first_token_id,
             num_cached_tokens=handoff.num_cached_tokens,
+            block_hashes=tuple(handoff.kv.block_hashes),
         )
 
     def rebuild(self, request: EngineRequest, bufs: Sequence[torch.Tensor]) -> Handoff:
@@ -131,9 +142,13 @@ class NativeTicket(HandoffTicket):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FetchedHandoff(HandoffTicket):
     """A handoff whose bytes are here (``fetch_handoff``'s result, ``add_handoff``'s
-    input); not meant to cross processes."""
+    input); not meant to cross processes. ``nbytes`` is what was read;
+    ``held`` the KV blocks that were not (the decode engine's pinned blocks:
+    their rows in ``handoff.kv`` are uninitialised), worth ``skipped_bytes``."""
 
     handoff: Handoff
+    held: frozenset[int] = frozenset()
+    skipped_bytes: int = 0
 
     @classmethod
     def of(cls, handoff: Handoff, nbytes: int = 0, expires_at: float | None = None) -> FetchedHandoff:
@@ -144,8 +159,9 @@ class FetchedHandoff(HandoffTicket):
 class HandoffTransport:
     """The NIXL side of one engine: offers (prefill), fetches (decode), faults, stats."""
 
-    def __init__(self, instance: str, timeout_s: float, device: str) -> None:
+    def __init__(self, instance: str, timeout_s: float, device: str, unit: int = 0) -> None:
         self.instance = instance
+        self.unit = unit  # KV rows per checksummed chunk (one block); 0: whole buffers
         self.timeout_s = timeout_s
         self.device = device
         self._server: HandoffServer | None = None
@@ -195,7 +211,8 @@ class HandoffTransport:
         repeated request id never overwrites an outstanding offer)."""
         rid = handoff.request.request_id
         hid = "%s~%s" % (rid, uuid.uuid4().hex[:12])
-        desc = self._get_server().offer(handoff.buffers(), hid)
+        chunked = [self.unit] * len(handoff.kv.buffers)  # KV: one chunk per block; state, draft: whole
+        desc = self._get_server().offer(handoff.buffers(), hid, chunk_rows=chunked)
         with self._server_lock:
             self._offered[rid] = hid
             while len(self._offered) > MAX_TRACKED_OFFERS:  # read or expired long ago
@@ -222,8 +239,9 @@ class HandoffTransport:
         return HandoffStats(server.outstanding(), server.expired, tuple(latencies))
 
     # -- decode side -----------------------------------------------------------------
-    def fetch(self, request: EngineRequest, ticket: NativeTicket) -> FetchedHandoff:
-        """READ and verify ``ticket``'s buffers (HandoffError, IntegrityError)."""
+    def fetch(self, request: EngineRequest, ticket: NativeTicket, held: frozenset[int] = frozenset()) -> FetchedHandoff:
+        """READ and verify ``ticket``'s buffers but KV blocks ``held`` (HandoffError,
+        IntegrityError)."""
         desc = ticket.descriptor
         if self._take_fault(DELAY_NEXT_READ):  # arrive after prefill's handoff timeout
             logger.warning("fault injection: reading handoff %s after its expiry", ticket.request_id)
@@ -233,10 +251,16 @@ class HandoffTransport:
                 raise RuntimeError("handoff transport of %s is closed" % self.instance)
             if self._client is None:
                 self._client = HandoffClient(self._agent_name())
-            bufs = self._client.fetch(desc, device=self.device)
+            bufs = self._client.fetch(desc, device=self.device, skip_chunks=held)
         handoff = ticket.rebuild(request, bufs)
+        read = desc.read_bytes(held)
         return FetchedHandoff(
-            request_id=ticket.request_id, nbytes=ticket.nbytes, expires_at=ticket.expires_at, handoff=handoff
+            request_id=ticket.request_id,
+            nbytes=read,
+            expires_at=ticket.expires_at,
+            handoff=handoff,
+            held=held,
+            skipped_bytes=ticket.nbytes - read,
         )
 
     def close(self) -> None:

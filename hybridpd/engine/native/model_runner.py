@@ -187,7 +187,13 @@ class ModelRunner:
                 request=seq.request,
                 first_token_id=token,
                 num_cached_tokens=seq.num_cached,
-                kv=exports.export_kv(self.model_id, self.kv_caches, seq.block_ids, seq.num_prompt),
+                kv=exports.export_kv(
+                    self.model_id,
+                    self.kv_caches,
+                    seq.block_ids,
+                    seq.num_prompt,
+                    seq.block_hashes[: seq.num_prompt // self.unit],
+                ),
                 state=exports.export_state(self.model_id, t.delta, seq.num_prompt, None),
                 draft=exports.export_draft(self.model_id, t.last_hidden, seq.num_prompt),
             )
@@ -261,10 +267,16 @@ class ModelRunner:
         exports.check_meta(handoff.state.meta, self.model_id, "state", st_shapes)
         exports.check_meta(handoff.draft.meta, self.model_id, "draft", [(self.mcfg.hidden_size,)])
 
-    def load_handoff(self, seq: Sequence, handoff: Handoff) -> None:
-        """Write ``handoff``'s KV into ``seq``'s blocks and start its tensors from its
-        state and draft hidden (metas already checked)."""
-        exports.import_kv(handoff.kv, self.kv_caches, seq.block_ids)
+    def load_handoff(self, seq: Sequence, handoff: Handoff, held: frozenset[int] = frozenset()) -> None:
+        """Write ``handoff``'s KV into ``seq``'s blocks, but blocks ``held`` (already
+        there: a delta handoff), and start its tensors from its state and draft
+        hidden (metas already checked)."""
+        n, u = seq.num_prompt, self.unit
+        start = 0
+        for b in [*sorted(held), -(-n // u)]:  # runs of blocks between held ones
+            if b > start:
+                exports.import_kv(handoff.kv, self.kv_caches, seq.block_ids, start * u, min(b * u, n))
+            start = b + 1
         t = self._start(seq, exports.import_state(handoff.state, self.device))
         t.last_hidden = handoff.draft.buffers[0].to(self.device).clone()
 

@@ -9,7 +9,8 @@ Two tensor-free pools keyed by chain hashes (``hybridpd.hashing``)::
 
 What enters them, and when:
 
-* a completed prompt's full blocks (``register_prompt``; never decode's KV);
+* a completed prompt's full blocks (``register_prompt``; never decode's KV),
+  and a handed-off prompt's (``register_handoff``: the next turn's delta handoff);
 * the checkpoints a prefill snapshots: ``plan`` reserves and keys a slot for
   each position a scheduled chunk snapshots (the tail, the extra positions the
   request named, the router's placed ones; ``hybridpd.checkpoints``) before
@@ -138,6 +139,15 @@ class PrefixCache:
             for i in range(seq.num_prompt // self.unit):
                 self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
         self.exports.extend(exported)
+
+    def register_handoff(self, seq: Sequence) -> None:
+        """Cache the full prompt blocks of a handed-off request (prefill computed
+        them: exactly what a local prefill would), so the conversation's next
+        turn READs only what is new (a delta handoff). Decode's own KV (the
+        answer) never enters the cache."""
+        if self.enabled:
+            for i in range(min(seq.num_prompt // self.unit, len(seq.block_hashes))):
+                self.kv_pool.cache(seq.block_ids[i], seq.block_hashes[i])
 
     # -- the streams the prefill worker drains -------------------------------------------
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:

@@ -175,15 +175,21 @@ class Scheduler:
         )
         return True
 
-    def admit_handoff(self, seq: Sequence) -> bool:
+    def admit_handoff(self, seq: Sequence, pinned: dict[int, int] | None = None) -> bool:
         """Admit a request prefilled elsewhere straight into DECODE: reserve its
         blocks (prompt + output + drafts; the caller writes the handed-off KV
-        into them) and run it from the next step. False (nothing taken) when
-        too few blocks are free. Its blocks never enter the prefix cache."""
-        blocks = self.kv_pool.allocate(self.blocks_needed(seq))
-        if blocks is None:
+        into them) and run it from the next step. ``pinned`` maps block index ->
+        a cached pool block already holding it (referenced for this request:
+        ``NativeEngine.prepare_handoff``); they take their places in the table
+        and fresh blocks fill the rest. False (nothing taken; the pins stay the
+        caller's) when too few blocks are free."""
+        pinned = pinned or {}
+        need = self.blocks_needed(seq)
+        fresh = self.kv_pool.allocate(need - len(pinned))
+        if fresh is None:
             return False
-        seq.block_ids = blocks
+        it = iter(fresh)
+        seq.block_ids = [pinned[i] if i in pinned else next(it) for i in range(need)]
         seq.num_computed = seq.num_prompt
         seq.started = True  # its tensors come with the handoff (ModelRunner.load_handoff)
         seq.status = SeqStatus.DECODE

@@ -363,6 +363,10 @@ class VllmEngine:
     def pop_handoff(self, request_id: str) -> VllmTicket | None:
         return self.handoffs.pop(request_id, None)
 
+    def prepare_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> int:
+        """Nothing held: vLLM's connector pulls the whole prompt (no delta handoffs)."""
+        return 0
+
     def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> VllmTicket:
         """Nothing to move here: vLLM's connector pulls KV and state during steps."""
         if not isinstance(ticket, VllmTicket):

@@ -21,7 +21,7 @@ from typing import Literal
 from hybridpd.engine.base import CacheEvent
 from hybridpd.errors import UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
-from services.worker.metrics import PrefillCounters
+from services.worker.metrics import DecodeCounters, PrefillCounters
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +31,11 @@ MAX_BACKLOG = 200_000
 
 class IndexMirror:
     def __init__(
-        self, instance: str, index: PrefixIndex, counters: PrefillCounters, stats_lock: threading.Lock
+        self,
+        instance: str,
+        index: PrefixIndex,
+        counters: PrefillCounters | DecodeCounters,
+        stats_lock: threading.Lock,
     ) -> None:
         self.instance = instance
         self.index = index
