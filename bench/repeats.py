@@ -156,6 +156,10 @@ def measure_variants(
 
 def repeat_views(variants: dict[str, Any]) -> list[dict[str, Any]]:
     """``variants`` as one ``{name: that repeat's result}`` per repeat index (as many
-    as the variant with the fewest repeats has): per-request checks run on each."""
-    n = min((len(v.get("repeats", [v])) for v in variants.values()), default=0)
-    return [{name: v.get("repeats", [v])[i] for name, v in variants.items()} for i in range(n)]
+    as the variant with the most repeats has; a variant with fewer is in the first
+    ones only): per-request checks run on each, so every repeat is checked."""
+    n = max((len(v.get("repeats", [v])) for v in variants.values()), default=0)
+    return [
+        {name: reps[i] for name, v in variants.items() for reps in [v.get("repeats", [v])] if i < len(reps)}
+        for i in range(n)
+    ]

@@ -330,8 +330,9 @@ class Dispatcher:
         the stream ends. A handoff that fails (IntegrityError, HandoffError, a dead
         actor) before the first chunk is prefilled and decoded once more; later, or
         a second time, the request fails with UnavailableError."""
+        failed: str | None = None
         for attempt in range(2):
-            name = await self._pick_decode(req)
+            name = await self._pick_decode(req, avoid=failed)
             actor = self.decode_actors[name]
             flight.hold(actor)
             stream = actor.generate(pr, req)
@@ -344,6 +345,7 @@ class Dispatcher:
                 return
             except (IntegrityError, HandoffError, RayActorError) as exc:
                 flight.drop(actor)
+                failed = name
                 if started or attempt == 1:
                     raise UnavailableError("decode of %s failed: %s" % (req.request_id, describe(exc))) from None
                 logger.warning("handoff of %s failed (%s): prefilling again", req.request_id, exc)
@@ -352,11 +354,12 @@ class Dispatcher:
             finally:
                 self.decoding[name] -= 1
 
-    async def _pick_decode(self, req: EngineRequest) -> str:
+    async def _pick_decode(self, req: EngineRequest, avoid: str | None = None) -> str:
         """The decode instance for ``req`` (``routing.choose_decode``): with more than
         one, the index says which holds the prompt's leading blocks (one round trip;
-        an index failure degrades to round robin)."""
-        names = sorted(self.decode_actors)
+        an index failure degrades to round robin). ``avoid``: the one whose handoff
+        just failed (unless it is the only one)."""
+        names = [n for n in sorted(self.decode_actors) if n != avoid] or sorted(self.decode_actors)
         held: dict[str, int] = {}
         if len(names) > 1 and self.index is not None and self.cfg.enable_prefix_caching:
             hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)

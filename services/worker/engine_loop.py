@@ -59,6 +59,9 @@ class EngineLoop:
             if request_id in self.queues:
                 raise InvalidRequestError("request id %s is already running here" % request_id)
             if self._reserved.pop(request_id, False):
+                # NOTE: what the preparation holds in the engine goes too (a delta handoff's pinned
+                # blocks, pinned after the abort arrived); for an id it does not know, a no-op
+                self.engine.abort(request_id)
                 q.put(RequestOutput(RequestId(request_id), (), True, FinishReason.ABORT))
                 return q
             self.queues[request_id] = q

@@ -22,13 +22,15 @@ def store_put_worker(master: str, metadata_url: str, model: str, q_out: Any, q_i
     store.close()
 
 
-def nixl_offer_worker(q_out: Any, q_in: Any, timeout_s: float, corrupt: bool) -> None:
+def nixl_offer_worker(q_out: Any, q_in: Any, timeout_s: float, corrupt: bool, chunk_rows: int = 0) -> None:
+    """Offers 64 MiB (a byte pattern, ``chunk_rows`` > 0: checksummed in chunks of that
+    many bytes) and a state-like buffer; ``corrupt`` flips byte 12345 after the checksum."""
     from hybridpd.transfer.nixl_handoff import HandoffServer
 
     server = HandoffServer("prefill-test", timeout_s=timeout_s)
     big = torch.arange(64 << 20, dtype=torch.int64).remainder(253).to(torch.uint8)
     state = torch.randn(6, 4, 64, 64, generator=torch.Generator().manual_seed(2))
-    desc = server.offer([big, state])
+    desc = server.offer([big, state], chunk_rows=[chunk_rows])
     if corrupt:
         big[12345] ^= 0xFF  # after the checksum was taken: a corrupted buffer
     q_out.put(desc)

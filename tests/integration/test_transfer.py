@@ -21,10 +21,10 @@ from tests.integration.store_worker import nixl_offer_worker, nixl_server_worker
 from tests.wait import Pending, wait_until
 
 
-def _start(timeout_s: float, corrupt: bool):  # type: ignore[no-untyped-def]
+def _start(timeout_s: float, corrupt: bool, chunk_rows: int = 0):  # type: ignore[no-untyped-def]
     ctx = mp.get_context("spawn")
     q_out, q_in = ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=nixl_offer_worker, args=(q_out, q_in, timeout_s, corrupt))
+    p = ctx.Process(target=nixl_offer_worker, args=(q_out, q_in, timeout_s, corrupt, chunk_rows))
     p.start()
     return p, q_out, q_in, q_out.get(timeout=120)
 
@@ -58,6 +58,25 @@ def test_corrupted_buffer_detected() -> None:
         client.fetch(desc)
     stats = _finish(p, q_out, q_in, held=True)
     assert stats["released"] == 0  # never acknowledged: prefill keeps it until its timeout
+    client.close()
+
+
+def test_a_reader_skips_the_chunks_it_holds() -> None:
+    """A delta handoff: the 64 MiB buffer is offered in 1 MiB chunks; the reader skips
+    chunk 0 (it holds it; the corrupted byte lies there, so its checksum is never
+    asked) and reads and verifies the other 63 only."""
+    mib = 1 << 20
+    p, q_out, q_in, desc = _start(timeout_s=60, corrupt=True, chunk_rows=mib)
+    big = desc.buffers[0]
+    assert big.chunk_rows == mib and len(big.chunk_xxh3) == 64 and big.xxh3 == ""
+    assert desc.read_bytes(frozenset({0})) == desc.nbytes - mib
+    assert big.kept_ranges(frozenset({0, 5})) == [(mib, 5 * mib), (6 * mib, 64 * mib)]
+    client = HandoffClient("decode-test-skip")
+    got = client.fetch(desc, skip_chunks=frozenset({0}))
+    want = torch.arange(64 << 20, dtype=torch.int64).remainder(253).to(torch.uint8)
+    assert torch.equal(got[0][mib:], want[mib:])
+    stats = _finish(p, q_out, q_in)
+    assert stats["released"] == 1 and stats["outstanding"] == 0
     client.close()
 
 

@@ -72,6 +72,11 @@ def test_measure_variants_interleaves_and_leaves_out_missing_environments() -> N
     assert [r["v"] for r in out["a"]["repeats"]] == [1.0, 4.0] and out["a"]["v"] == 2.5
     views = repeat_views(out)
     assert [v["b"]["v"] for v in views] == [2.0, 5.0]
+    # a variant with fewer repeats (an older merged run) is in the first views only: every
+    # repeat of the others is still checked
+    out["d"] = {"v": 9.0}
+    views = repeat_views(out)
+    assert [sorted(v) for v in views] == [["a", "b", "d"], ["a", "b"]]
 
 
 def _rec(started: float, ended: float | None, commit: str = "c", dirty: bool = False) -> dict[str, Any]:

@@ -204,3 +204,36 @@ def test_a_fetch_that_skipped_blocks_never_pinned_is_refused(engines: tuple[Nati
     with pytest.raises(IntegrityError, match="did not pin"):
         decode.add_handoff(r, dataclasses.replace(fetched, held=frozenset({0})))
     assert_no_leaks(decode)
+
+
+def test_an_abort_before_the_pins_releases_them_at_submit(engines: tuple[NativeEngine, NativeEngine]) -> None:
+    """The decode worker pins, fetches and submits inside ``EngineLoop.reserved``; an
+    abort that arrived before the pins were taken ends the request at submit, and
+    the pins go with it (no block stays referenced)."""
+    from hybridpd.engine.base import FinishReason
+    from services.worker.engine_loop import EngineLoop
+
+    prefill, decode = engines
+    toks = prompt(130, 12)
+    first = _turn(prefill, decode, "a", toks)
+    nxt = toks + tuple(first.tokens) + prompt(20, 13)
+    r = req("b", nxt, MAX_TOKENS)
+    prefill.add_request(r, prefill_only=True)
+    while prefill.has_work():
+        prefill.step()
+    ticket = prefill.pop_handoff("b")
+    assert isinstance(ticket, NativeTicket)
+    loop = EngineLoop(decode)
+    try:
+        with loop.reserved("b"):
+            assert loop.abort("b")  # the client went away before the worker pinned anything
+            with loop.lock:
+                assert decode.prepare_handoff(r, ticket) == 130 // decode.unit
+            fetched = decode.fetch_handoff(r, ticket)
+            q = loop.submit("b", lambda: decode.add_handoff(r, fetched))
+        out = q.get(timeout=10)
+        assert isinstance(out, object) and getattr(out, "finish_reason", None) is FinishReason.ABORT
+        with loop.lock:
+            assert_no_leaks(decode)
+    finally:
+        loop.close()
