@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from hybridpd.engine.base import EngineRequest
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.handoff import FetchedHandoff, NativeTicket
 from tests.unit.engine_helpers import (
@@ -59,14 +60,20 @@ def engines(request: pytest.FixtureRequest) -> Iterator[tuple[NativeEngine, Nati
     decode.close()
 
 
-def _turn(prefill: NativeEngine, decode: NativeEngine, rid: str, toks: tuple[int, ...]) -> Turn:
-    """One turn as the workers run it: prefill, offer, prepare (decode lock), fetch, add, decode."""
+def _offer(prefill: NativeEngine, rid: str, toks: tuple[int, ...]) -> tuple[EngineRequest, NativeTicket]:
+    """Prefill ``toks`` as the prefill worker does; its request and NIXL ticket."""
     r = req(rid, toks, MAX_TOKENS)
     prefill.add_request(r, prefill_only=True)
     while prefill.has_work():
         prefill.step()
     ticket = prefill.pop_handoff(rid)
     assert isinstance(ticket, NativeTicket)
+    return r, ticket
+
+
+def _turn(prefill: NativeEngine, decode: NativeEngine, rid: str, toks: tuple[int, ...]) -> Turn:
+    """One turn as the workers run it: prefill, offer, prepare (decode lock), fetch, add, decode."""
+    r, ticket = _offer(prefill, rid, toks)
     ticket = pickle.loads(pickle.dumps(ticket))
     held = decode.prepare_handoff(r, ticket)
     fetched = decode.fetch_handoff(r, ticket)
@@ -167,12 +174,7 @@ def test_a_pinned_block_survives_admissions_until_the_handoff_takes_it(
     toks = prompt(130, 9)
     first = _turn(prefill, decode, "a", toks)
     nxt = toks + tuple(first.tokens) + prompt(20, 10)
-    r = req("b", nxt, MAX_TOKENS)
-    prefill.add_request(r, prefill_only=True)
-    while prefill.has_work():
-        prefill.step()
-    ticket = prefill.pop_handoff("b")
-    assert isinstance(ticket, NativeTicket)
+    r, ticket = _offer(prefill, "b", nxt)
     assert decode.prepare_handoff(r, ticket) == 130 // decode.unit
     # take every free block, as concurrent admissions would: the pinned ones are not among them
     free = decode.kv_pool.allocate(decode.kv_pool.num_free)
@@ -194,12 +196,7 @@ def test_a_fetch_that_skipped_blocks_never_pinned_is_refused(engines: tuple[Nati
 
     prefill, decode = engines
     toks = prompt(100, 11)
-    r = req("x", toks, MAX_TOKENS)
-    prefill.add_request(r, prefill_only=True)
-    while prefill.has_work():
-        prefill.step()
-    ticket = prefill.pop_handoff("x")
-    assert isinstance(ticket, NativeTicket)
+    r, ticket = _offer(prefill, "x", toks)
     fetched = decode.fetch_handoff(r, ticket)
     with pytest.raises(IntegrityError, match="did not pin"):
         decode.add_handoff(r, dataclasses.replace(fetched, held=frozenset({0})))
@@ -217,12 +214,7 @@ def test_an_abort_before_the_pins_releases_them_at_submit(engines: tuple[NativeE
     toks = prompt(130, 12)
     first = _turn(prefill, decode, "a", toks)
     nxt = toks + tuple(first.tokens) + prompt(20, 13)
-    r = req("b", nxt, MAX_TOKENS)
-    prefill.add_request(r, prefill_only=True)
-    while prefill.has_work():
-        prefill.step()
-    ticket = prefill.pop_handoff("b")
-    assert isinstance(ticket, NativeTicket)
+    r, ticket = _offer(prefill, "b", nxt)
     loop = EngineLoop(decode)
     try:
         with loop.reserved("b"):
