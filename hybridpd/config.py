@@ -146,7 +146,7 @@ class HybridPDConfig(BaseModel):
     )
     decode_affinity_slack: int = Field(
         4,
-        ge=0,
+        ge=1,
         description="Decode affinity: a conversation's next turn goes to the decode instance holding its "
         "previous turns (it reads only the new blocks), unless that one decodes this many more requests "
         "than the least busy; then the least busy takes it.",

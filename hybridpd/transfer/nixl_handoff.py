@@ -123,7 +123,8 @@ def _spec(t: torch.Tensor, chunk_rows: int) -> BufferSpec:
     dtype = str(t.dtype).removeprefix("torch.")
     dev = t.device.index or 0
     if chunk_rows and t.dim() and t.shape[0]:
-        chunks = tuple(_digest(t[r : r + chunk_rows]) for r in range(0, t.shape[0], chunk_rows))
+        host = t.cpu()  # one device-to-host copy, then a digest per chunk
+        chunks = tuple(_digest(host[r : r + chunk_rows]) for r in range(0, t.shape[0], chunk_rows))
         return BufferSpec(tuple(t.shape), dtype, nbytes, "", t.data_ptr(), dev, chunk_rows, chunks)
     return BufferSpec(tuple(t.shape), dtype, nbytes, _digest(t), t.data_ptr(), dev)
 
@@ -260,7 +261,8 @@ def _verified(t: torch.Tensor, spec: BufferSpec, skip: frozenset[int]) -> bool:
     if not spec.chunk_rows:
         return _digest(t) == spec.xxh3
     r = spec.chunk_rows
-    return all(c in skip or _digest(t[c * r : (c + 1) * r]) == d for c, d in enumerate(spec.chunk_xxh3))
+    host = t.cpu()  # one device-to-host copy, then a digest per chunk
+    return all(c in skip or _digest(host[c * r : (c + 1) * r]) == d for c, d in enumerate(spec.chunk_xxh3))
 
 
 class HandoffClient:

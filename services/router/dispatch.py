@@ -365,7 +365,7 @@ class Dispatcher:
             hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
             try:
                 held = await asyncio.to_thread(self.index.held_blocks, names, hashes)
-            except UnavailableError as exc:
+            except Exception as exc:  # affinity is an optimisation: never fail a request for it
                 logger.warning("prefix index unavailable, decode by round robin: %s", exc)
         name, kind = choose_decode(names, held, self.decoding, self.cfg.decode_affinity_slack, next(self._rr_decode))
         self.metrics.decode_routing.labels(kind).inc()

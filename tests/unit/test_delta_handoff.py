@@ -229,3 +229,22 @@ def test_an_abort_before_the_pins_releases_them_at_submit(engines: tuple[NativeE
             assert_no_leaks(decode)
     finally:
         loop.close()
+
+
+def test_a_corrupted_delta_handoff_fails_its_checksum(engines: tuple[NativeEngine, NativeEngine]) -> None:
+    """The fault hook corrupts what every read moves (the state): a delta handoff,
+    which skips the blocks decode holds, still fails its checksum, and the worker's
+    abort releases the pins."""
+    from hybridpd.engine.native.handoff import CORRUPT_NEXT
+    from hybridpd.errors import IntegrityError
+
+    prefill, decode = engines
+    toks = prompt(130, 14)
+    first = _turn(prefill, decode, "a", toks)
+    prefill.inject_fault(CORRUPT_NEXT)
+    r, ticket = _offer(prefill, "b", toks + tuple(first.tokens) + prompt(20, 15))
+    assert decode.prepare_handoff(r, ticket) == 130 // decode.unit
+    with pytest.raises(IntegrityError, match="checksum"):
+        decode.fetch_handoff(r, ticket)
+    assert decode.abort("b")  # as DecodeWorker._fetch does after a failed fetch
+    assert_no_leaks(decode)

@@ -304,7 +304,7 @@ class NativeEngine:
     def _unpin(self, request_id: str) -> bool:
         pins = self._pins.pop(request_id, None)
         if pins:
-            self.kv_pool.free(sorted(pins.values(), reverse=True))
+            self.kv_pool.free([pins[i] for i in sorted(pins, reverse=True)])  # tail first: the head stays longest
         return bool(pins)
 
     def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> FetchedHandoff:
@@ -345,7 +345,7 @@ class NativeEngine:
             raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
         extra = {i: b for i, b in self._pins.pop(request.request_id, {}).items() if i not in ticket.held}
         if extra:  # pinned but read anyway (a fetch without the pins): the seq does not hold them
-            self.kv_pool.free(extra.values())
+            self.kv_pool.free([extra[i] for i in sorted(extra, reverse=True)])
         try:
             self.runner.load_handoff(seq, handoff, ticket.held)
         except BaseException:
@@ -358,8 +358,9 @@ class NativeEngine:
         return self.transport.stats()
 
     def inject_fault(self, kind: str) -> None:
-        """``corrupt_next_handoff``: the next offer's KV changes after its checksum;
-        ``delay_next_handoff_read``: the next fetch starts after the ticket expired."""
+        """``corrupt_next_handoff``: the next offer's state changes after its checksum
+        (every read moves the state, a delta handoff too); ``delay_next_handoff_read``:
+        the next fetch starts after the ticket expired."""
         self.transport.inject(kind)
 
     def close(self) -> None:

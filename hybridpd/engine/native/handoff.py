@@ -217,10 +217,11 @@ class HandoffTransport:
             self._offered[rid] = hid
             while len(self._offered) > MAX_TRACKED_OFFERS:  # read or expired long ago
                 self._offered.popitem(last=False)
-        if self._take_fault(CORRUPT_NEXT):  # flip a byte after the checksum was taken
+        if self._take_fault(CORRUPT_NEXT):  # change a value after the checksum was taken
             logger.warning("fault injection: corrupting handoff %s", handoff.request.request_id)
+            # NOTE: in the state, which every read moves (a delta handoff may skip KV block 0)
             with torch.inference_mode():
-                handoff.kv.buffers[0].view(-1)[0] += 1.0
+                handoff.state.buffers[0].view(-1)[0] += 1.0
         return NativeTicket.offered(handoff, desc)
 
     def withdraw(self, request_id: str) -> bool:
