@@ -344,6 +344,17 @@ def bench_eagle(json_path: str, quick: bool) -> None:
     engine.main(["--json", json_path] + (["--quick"] if quick else []))
 
 
+@bench.command("eagle-ab")
+@json_option("eagle_ab")
+@click.option("--before", default=None, help="Commit to compare against: run the interleaved A/B first.")
+@click.option("--runs", type=click.IntRange(min=1), default=8, show_default=True, help="bench eagle runs per side.")
+def bench_eagle_ab(json_path: str, before: str | None, runs: int) -> None:
+    """EAGLE's speedup before and after a commit: interleaved bench eagle runs, pooled repeats."""
+    from bench import eagle_ab
+
+    eagle_ab.main(["--json", json_path, "--runs", str(runs)] + (["--before", before] if before else []))
+
+
 @bench.command("soak")
 @json_option("soak")
 @click.option("--minutes", type=click.FloatRange(min=0.05), default=10.0, show_default=True, help="How long to run.")

@@ -276,6 +276,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "router": ("router.json", _module_markdown("bench.router")),
     "hashing": ("hashing.json", _module_markdown("bench.hashing")),
     "engine": ("engine.json", _module_markdown("bench.engine")),
+    "eagle-ab": ("eagle_ab.json", _module_markdown("bench.eagle_ab")),
     "state-plane": ("state_plane.json", _module_markdown("bench.state_plane")),
     "soak": ("soak.json", _soak),
     "vllm-index-promises": ("vllm_index_promises.json", _promises),

@@ -1,0 +1,171 @@
+"""EAGLE's decode speedup before and after a change: an interleaved A/B of ``bench eagle``.
+
+    hybridpd bench eagle-ab --before 7bcf4b0 [--runs 8]   # run, then summarize
+    hybridpd bench eagle-ab                                # summarize the committed runs
+
+A single ``bench eagle`` run cannot say whether a change made the speedup lower:
+on a shared 2-core machine one repeat's paired ratio (EAGLE tokens/s over plain
+tokens/s, timed back to back) ranges 1.4-3.4 at batch 1. So the two commits run
+alternately, before, after, before, after, ``--runs`` times each, every run a
+whole ``bench eagle`` (its own repeats and provenance) written as
+``bench/results/eagle_ab/before_<i>.json`` / ``after_<i>.json``: load that
+varies over the sitting falls on both sides alike. ``before`` runs from a
+temporary ``git worktree`` of that commit with this environment (its code on
+``PYTHONPATH``), so each side's provenance names its own commit.
+
+The summary (``bench/results/eagle_ab.json``) pools every repeat of every run
+per side (``old_*`` / ``new_*`` files of an earlier sitting count too) and,
+per batch size, gives each side's median ratio with min-max and count, and:
+
+* ``median_change``: median after / median before - 1;
+* ``p_lower``: a one-sided permutation test (seeded) of "after's median is
+  below before's": the share of 20,000 random relabellings of the pooled
+  repeats whose median difference is at least as far below as the observed;
+* ``checks.batch_<b>_not_lower``: after's pooled median is at least before's,
+  or the decrease is not distinguishable from the spread (``p_lower`` >= 0.05).
+  It fails on a real decrease: a step cost that lowers the speedup by 5% is
+  seen at these sample sizes (``tests/unit/test_eagle_ab.py`` shifts the
+  committed repeats by 5% and expects the check to fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench.report import write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+RUNS_DIR = RESULTS / "eagle_ab"
+SUMMARY = RESULTS / "eagle_ab.json"
+REPO = Path(__file__).resolve().parent.parent
+#: file stems of each side (``old``/``new``: the first sitting's names)
+SIDES = {"before": ("before", "old"), "after": ("after", "new")}
+P_THRESHOLD = 0.05
+PERMUTATIONS = 20_000
+
+
+def _bench_engine(repo: Path, out: Path, repeats: int) -> None:
+    """One whole ``bench eagle`` from ``repo``'s code, written to ``out``."""
+    code = "import sys; from bench.engine import main; main(sys.argv[1:])"
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    cmd = [sys.executable, "-c", code, "--repeats", str(repeats), "--json", str(out)]
+    subprocess.run(cmd, cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
+
+
+def run(before: str, runs: int, repeats: int, runs_dir: Path = RUNS_DIR) -> None:
+    """``runs`` interleaved pairs of ``bench eagle`` runs: ``before`` (a commit) then this tree."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    first = 1 + max((int(p.stem.split("_")[1]) for p in runs_dir.glob("*_*.json")), default=0)
+    with tempfile.TemporaryDirectory(prefix="eagle-ab-") as tmp:
+        wt = Path(tmp) / "before"
+        subprocess.run(["git", "worktree", "add", "--detach", str(wt), before], cwd=REPO, check=True)
+        try:
+            for i in range(first, first + runs):
+                for side, repo in (("before", wt), ("after", REPO)):
+                    print("eagle-ab: run %d/%d, %s" % (i - first + 1, runs, side), flush=True)
+                    _bench_engine(repo, runs_dir / ("%s_%d.json" % (side, i)), repeats)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=REPO, check=False)
+
+
+def _ratios(files: list[Path]) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
+    """Every repeat's paired speedup per batch size, and every repeat's provenance."""
+    ratios: dict[str, list[float]] = {}
+    records: list[dict[str, Any]] = []
+    for f in files:
+        for rep in json.loads(f.read_text())["repeats"]:
+            records.append(rep["provenance"])
+            for batch, row in rep["decode"].items():
+                ratios.setdefault(batch, []).append(float(row["eagle_speedup_vs_decode"]))
+    return ratios, records
+
+
+def p_lower(before: list[float], after: list[float], permutations: int = PERMUTATIONS, seed: int = 0) -> float:
+    """One-sided permutation p-value of "after's median is below before's"."""
+    observed = statistics.median(after) - statistics.median(before)
+    pooled = before + after
+    rng = random.Random(seed)
+    at_least = 0
+    for _ in range(permutations):
+        rng.shuffle(pooled)
+        if statistics.median(pooled[len(before) :]) - statistics.median(pooled[: len(before)]) <= observed:
+            at_least += 1
+    return at_least / permutations
+
+
+def compare(before: list[float], after: list[float]) -> dict[str, Any]:
+    """Both sides' medians, the change and whether it is "not lower" (module docstring)."""
+    mb, ma = statistics.median(before), statistics.median(after)
+    p = p_lower(before, after)
+    return {
+        "before": {"median": mb, "min": min(before), "max": max(before), "n": len(before)},
+        "after": {"median": ma, "min": min(after), "max": max(after), "n": len(after)},
+        "median_change": ma / mb - 1.0,
+        "p_lower": p,
+        "not_lower": ma >= mb or p >= P_THRESHOLD,
+    }
+
+
+def summarize(runs_dir: Path = RUNS_DIR) -> dict[str, Any]:
+    sides = {}
+    for side, stems in SIDES.items():
+        files = sorted(f for stem in stems for f in runs_dir.glob("%s_*.json" % stem))
+        if not files:
+            raise FileNotFoundError("no %s runs in %s (run with --before first)" % (side, runs_dir))
+        sides[side] = (files, *_ratios(files))
+    batches = [b for b in sides["before"][1] if b in sides["after"][1]]
+    out: dict[str, Any] = {
+        "runs": {side: [f.name for f in files] for side, (files, _, _) in sides.items()},
+        "commits": {side: sorted({r["commit"] for r in recs}) for side, (_, _, recs) in sides.items()},
+        "batches": {b: compare(sides["before"][1][b], sides["after"][1][b]) for b in batches},
+        "provenance": [r for _, _, recs in sides.values() for r in recs],
+    }
+    out["repeat_count"] = min(len(recs) for _, _, recs in sides.values())  # per side
+    out["checks"] = {"%s_not_lower" % b: out["batches"][b]["not_lower"] for b in batches}
+    out["checks"]["p_threshold"] = P_THRESHOLD
+    return out
+
+
+def markdown(out: dict[str, Any]) -> str:
+    rows = [
+        "| | before: speedup (min-max, repeats) | after | change of the median | p (after lower) |",
+        "|---|---|---|---|---|",
+    ]
+    for b, c in out["batches"].items():
+        cell = lambda s: "x%.2f (%.2f-%.2f, %d)" % (s["median"], s["min"], s["max"], s["n"])  # noqa: E731
+        rows.append(
+            "| %s | %s | %s | %+.1f%% | %.2f |"
+            % (b.replace("_", " "), cell(c["before"]), cell(c["after"]), 100 * c["median_change"], c["p_lower"])
+        )
+    commits = "before %s, after %s" % (
+        ", ".join(c[:7] for c in out["commits"]["before"]),
+        ", ".join(c[:7] for c in out["commits"]["after"]),
+    )
+    return "Commits: %s.\n\n%s\n" % (commits, "\n".join(rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--before", help="the commit to compare against (runs the A/B first)")
+    ap.add_argument("--runs", type=int, default=8, help="interleaved bench eagle runs per side")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats inside each run")
+    ap.add_argument("--json", type=Path, default=SUMMARY)
+    args = ap.parse_args(argv)
+    if args.before:
+        run(args.before, args.runs, args.repeats)
+    out = summarize()
+    write_json(args.json, out)
+    print(markdown(out), end="")
+
+
+if __name__ == "__main__":
+    main()
