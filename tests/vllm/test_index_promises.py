@@ -42,10 +42,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from hybridpd.engine.vllm.engine import KV_CACHE_BLOCKS_ENV
 from tests.e2e.conftest import Stack
 
-#: the tiny Qwen3-Next's vLLM page (tests/vllm/test_index_truth.py); per engine
-PAGE_BYTES = 196608
 #: where the full measurement (``main``) writes its counts
 RESULTS_JSON = Path(__file__).resolve().parents[2] / "bench" / "results" / "vllm_index_promises.json"
 KV_BLOCKS = 40
@@ -130,7 +129,7 @@ def run(stack: Stack, count: int, seed: int) -> dict[str, Any]:
 def start_stack(workdir: Path) -> Stack:
     """The stack with a small KV space in every engine (``VllmEngine`` reads it from
     the environment the actors inherit)."""
-    os.environ["HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES"] = str(KV_BLOCKS * PAGE_BYTES)
+    os.environ[KV_CACHE_BLOCKS_ENV] = str(KV_BLOCKS)
     stack = Stack(workdir, ARGS, start_timeout_s=900)
     stack.start()
     pools = {name: s["pool"] for name, s in stack.stats().items()}
@@ -140,7 +139,7 @@ def start_stack(workdir: Path) -> Stack:
 
 
 def test_vllm_index_promises_are_kept(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES", str(KV_BLOCKS * PAGE_BYTES))
+    monkeypatch.setenv(KV_CACHE_BLOCKS_ENV, str(KV_BLOCKS))
     stack = start_stack(tmp_path)
     try:
         got = run(stack, TEST_REQUESTS, seed=11)

@@ -67,11 +67,10 @@ from tests.vllm.workers import decode_worker, tokens, truth_prefill_worker
 
 CTX = mp.get_context("spawn")
 INSTANCE = "prefill-0"
-#: bytes of one vLLM KV page of the tiny Qwen3-Next (every group's block is one page:
-#: 384 attention tokens, or one Mamba state; vLLM logs ``block_len_per_layer={196608}``)
-PAGE_BYTES = 196608
 MAX_MODEL_LEN = 2560
-#: the smallest space vLLM accepts at this max_model_len: 7 attention blocks for 2,560 tokens,
+#: spaces are in pages (every group's block is one page: a Mamba state, or as many attention
+#: tokens as its bytes hold; the bytes depend on the CPU: ``KV_CACHE_BLOCKS_ENV``)
+#: the smallest space vLLM accepts at this max_model_len with 384-token pages: 7 attention blocks for 2,560 tokens,
 #: 2 per Mamba group for the three groups and the null page (13 refused: "To serve at least
 #: one request with the model's max seq len ...")
 KV_MIN_BLOCKS = 14
@@ -153,7 +152,7 @@ class Harness:
         self.qp_in, self.qp_out, self.qd_in, self.qd_out = CTX.Queue(), CTX.Queue(), CTX.Queue(), CTX.Queue()
         args = (
             *(self.qp_in, self.qp_out, free_port(), redis_url, store),
-            *(kv_blocks * PAGE_BYTES, INSTANCE, OVERRIDES, forward_store),
+            *(kv_blocks, INSTANCE, OVERRIDES, forward_store),
         )
         self.pre = CTX.Process(target=truth_prefill_worker, args=args)
         self.dec = CTX.Process(target=decode_worker, args=(self.qd_in, self.qd_out, free_port(), OVERRIDES))

@@ -424,12 +424,12 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
     side_port: int,
     redis_url: str,
     store: tuple[str, str],
-    kv_cache_bytes: int,
+    kv_blocks: int,
     instance: str,
     overrides,
     forward_store: bool = True,
 ) -> None:
-    """A P/D prefill engine (cache events on, ``kv_cache_bytes`` of KV and state,
+    """A P/D prefill engine (cache events on, ``kv_blocks`` pages of KV and state,
     MooncakeStoreConnector on ``store``; ``forward_store``: its store events reach
     the feed, :func:`forward_store_events`) whose translated cache events go to the
     index as ``instance`` (``PrefixIndex.apply_local``, as ``CachePublisher`` does).
@@ -446,7 +446,7 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
 
     if forward_store:
         forward_store_events()
-    eng = _engine("prefill", overrides, side_port, cache_events=True, kv_cache_memory_bytes=kv_cache_bytes, store=store)
+    eng = _engine("prefill", overrides, side_port, cache_events=True, kv_cache_blocks=kv_blocks, store=store)
     feed = eng.feed
     assert feed is not None
     probe = TruthProbe(eng)

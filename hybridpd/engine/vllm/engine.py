@@ -75,6 +75,10 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 #: the environment variable that overrides it for engines built by the workers (not a config
 #: field: tests and benchmarks shrink the space so that prompts evict each other)
 KV_CACHE_BYTES_ENV = "HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES"
+#: the same in pages (vLLM's ``num_gpu_blocks_override``): a page's bytes depend on the CPU
+#: (vLLM 0.32's pages of the tiny Qwen3-Next: 640 tokens, 320 KiB on an AMD EPYC with
+#: AVX512-BF16; 384 tokens, 192 KiB on one without), a page count does not
+KV_CACHE_BLOCKS_ENV = "HYBRIDPD_VLLM_KV_CACHE_BLOCKS"
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +115,7 @@ class VllmEngine:
         instance: str = "local",
         cache_events: bool = False,
         kv_cache_memory_bytes: int | None = None,
+        kv_cache_blocks: int | None = None,
         store: tuple[str, str] | None = None,
     ) -> None:
         """``cache_events``: vLLM publishes its KV-cache events (ZMQ, a machine-local
@@ -118,7 +123,8 @@ class VllmEngine:
         master, metadata URL) for a prefill engine's shared prefix store
         (MooncakeStoreConnector beside the NixlConnector). ``instance`` names the
         worker in logs. ``kv_cache_memory_bytes``: vLLM's KV and state space (None:
-        ``$HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES``, else 1 GiB)."""
+        ``$HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES``, else 1 GiB); ``kv_cache_blocks``: that space
+        in pages instead (None: ``$HYBRIDPD_VLLM_KV_CACHE_BLOCKS``, else by bytes)."""
         check_dtype(cfg, model_dir)
         events_endpoint = kv_events_endpoint() if cache_events else None
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -158,6 +164,10 @@ class VllmEngine:
             kv_cache_memory_bytes=kv_cache_memory_bytes,
             store=store is not None and role == "prefill",
         )
+        if kv_cache_blocks is None and os.environ.get(KV_CACHE_BLOCKS_ENV):
+            kv_cache_blocks = int(os.environ[KV_CACHE_BLOCKS_ENV])
+        if kv_cache_blocks is not None:
+            kw["num_gpu_blocks_override"] = kv_cache_blocks
         logger.info("%s: starting vLLM (%s) with %s", instance, role, kw)
         with one_gloo_device():
             self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
