@@ -6,26 +6,30 @@
 A single ``bench eagle`` run cannot say whether a change made the speedup lower:
 on a shared 2-core machine one repeat's paired ratio (EAGLE tokens/s over plain
 tokens/s, timed back to back) ranges 1.4-3.4 at batch 1. So the two commits run
-alternately, before, after, before, after, ``--runs`` times each, every run a
-whole ``bench eagle`` (its own repeats and provenance) written as
-``bench/results/eagle_ab/before_<i>.json`` / ``after_<i>.json``: load that
-varies over the sitting falls on both sides alike. ``before`` runs from a
-temporary ``git worktree`` of that commit with this environment (its code on
-``PYTHONPATH``), so each side's provenance names its own commit.
+in turn, in ABBA order, ``--runs`` times each, every run a whole ``bench
+eagle`` (its own repeats and provenance) written as ``<runs-dir>/before_<i>.json``
+/ ``after_<i>.json``: load that drifts over the sitting falls on both sides
+alike. ``before`` runs from a temporary ``git worktree`` of that commit with
+this environment (its code on ``PYTHONPATH``, this tree's built C extensions
+copied where their source is the same), so each side's provenance names its
+own commit. One folder holds one comparison: its before runs are one commit;
+its after runs may span commits of the same code line (each is listed).
 
 The summary (``bench/results/eagle_ab.json``) pools every repeat of every run
-per side (``old_*`` / ``new_*`` files of an earlier sitting count too) and,
-per batch size, gives each side's median ratio with min-max and count, and:
+per side (``old_*`` / ``new_*``, the names of the committed runs, count as
+before / after) and, per batch size, gives each side's median ratio with
+min-max and count, and:
 
 * ``median_change``: median after / median before - 1;
 * ``p_lower``: a one-sided permutation test (seeded) of "after's median is
-  below before's": the share of 20,000 random relabellings of the pooled
-  repeats whose median difference is at least as far below as the observed;
+  below before's": the share of 20,000 random relabellings of whole runs (a
+  run's repeats share its load: the runs are the independent samples) whose
+  pooled-median difference is at least as far below as the observed one;
 * ``checks.batch_<b>_not_lower``: after's pooled median is at least before's,
   or the decrease is not distinguishable from the spread (``p_lower`` >= 0.05).
-  It fails on a real decrease: a step cost that lowers the speedup by 5% is
-  seen at these sample sizes (``tests/unit/test_eagle_ab.py`` shifts the
-  committed repeats by 5% and expects the check to fail).
+  It fails on a real decrease: ``tests/unit/test_eagle_ab.py`` scales the
+  committed after repeats by 0.97 (a median 4% below before's at batch 1) and
+  expects the check to fail.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -61,54 +66,84 @@ def _bench_engine(repo: Path, out: Path, repeats: int) -> None:
     subprocess.run(cmd, cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
+def _copy_built_extensions(worktree: Path) -> None:
+    """This tree's built C extensions into ``worktree`` where their source is the same
+    (they are built in place and git-ignored: without them that side would run the
+    pure-Python fallbacks, a difference that is not the change under test)."""
+    for so in (REPO / "hybridpd").glob("*.so"):
+        src = so.name.split(".")[0] + ".c"
+        theirs = worktree / "hybridpd" / src
+        if theirs.exists() and theirs.read_bytes() == (REPO / "hybridpd" / src).read_bytes():
+            shutil.copy2(so, worktree / "hybridpd" / so.name)
+        else:
+            print("eagle-ab: %s differs at the older commit: its side runs without %s" % (src, so.name))
+
+
 def run(before: str, runs: int, repeats: int, runs_dir: Path = RUNS_DIR) -> None:
-    """``runs`` interleaved pairs of ``bench eagle`` runs: ``before`` (a commit) then this tree."""
+    """``runs`` pairs of ``bench eagle`` runs, ``before`` (a commit) and this tree, in
+    ABBA order (drift over the sitting does not favour a side)."""
     runs_dir.mkdir(parents=True, exist_ok=True)
     first = 1 + max((int(p.stem.split("_")[1]) for p in runs_dir.glob("*_*.json")), default=0)
+    subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False)  # one a killed run left
     with tempfile.TemporaryDirectory(prefix="eagle-ab-") as tmp:
         wt = Path(tmp) / "before"
         subprocess.run(["git", "worktree", "add", "--detach", str(wt), before], cwd=REPO, check=True)
         try:
+            _copy_built_extensions(wt)
             for i in range(first, first + runs):
-                for side, repo in (("before", wt), ("after", REPO)):
+                order = [("before", wt), ("after", REPO)]
+                for side, repo in order if (i - first) % 2 == 0 else order[::-1]:
                     print("eagle-ab: run %d/%d, %s" % (i - first + 1, runs, side), flush=True)
                     _bench_engine(repo, runs_dir / ("%s_%d.json" % (side, i)), repeats)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=REPO, check=False)
 
 
-def _ratios(files: list[Path]) -> tuple[dict[str, list[float]], list[dict[str, Any]]]:
-    """Every repeat's paired speedup per batch size, and every repeat's provenance."""
-    ratios: dict[str, list[float]] = {}
+def _runs(files: list[Path]) -> tuple[dict[str, list[list[float]]], list[dict[str, Any]]]:
+    """Per batch size, each run's paired speedups (one per repeat); every repeat's provenance."""
+    runs: dict[str, list[list[float]]] = {}
     records: list[dict[str, Any]] = []
     for f in files:
+        this: dict[str, list[float]] = {}
         for rep in json.loads(f.read_text())["repeats"]:
             records.append(rep["provenance"])
             for batch, row in rep["decode"].items():
-                ratios.setdefault(batch, []).append(float(row["eagle_speedup_vs_decode"]))
-    return ratios, records
+                this.setdefault(batch, []).append(float(row["eagle_speedup_vs_decode"]))
+        for batch, ratios in this.items():
+            runs.setdefault(batch, []).append(ratios)
+    return runs, records
 
 
-def p_lower(before: list[float], after: list[float], permutations: int = PERMUTATIONS, seed: int = 0) -> float:
-    """One-sided permutation p-value of "after's median is below before's"."""
-    observed = statistics.median(after) - statistics.median(before)
+def _pooled_median(runs: list[list[float]]) -> float:
+    return statistics.median(x for r in runs for x in r)
+
+
+def p_lower(
+    before: list[list[float]], after: list[list[float]], permutations: int = PERMUTATIONS, seed: int = 0
+) -> float:
+    """One-sided permutation p-value of "after's pooled median is below before's".
+    Whole runs are relabelled, not repeats: a run's repeats share its load, so the
+    runs are the independent samples. (k + 1) / (n + 1): the observed labelling counts."""
+    observed = _pooled_median(after) - _pooled_median(before)
     pooled = before + after
     rng = random.Random(seed)
     at_least = 0
     for _ in range(permutations):
         rng.shuffle(pooled)
-        if statistics.median(pooled[len(before) :]) - statistics.median(pooled[: len(before)]) <= observed:
+        if _pooled_median(pooled[len(before) :]) - _pooled_median(pooled[: len(before)]) <= observed:
             at_least += 1
-    return at_least / permutations
+    return (at_least + 1) / (permutations + 1)
 
 
-def compare(before: list[float], after: list[float]) -> dict[str, Any]:
-    """Both sides' medians, the change and whether it is "not lower" (module docstring)."""
-    mb, ma = statistics.median(before), statistics.median(after)
+def compare(before: list[list[float]], after: list[list[float]]) -> dict[str, Any]:
+    """Both sides' pooled medians (``before``/``after``: each run's repeats), the change
+    and whether it is "not lower" (module docstring)."""
+    mb, ma = _pooled_median(before), _pooled_median(after)
+    flat_b, flat_a = [x for r in before for x in r], [x for r in after for x in r]
     p = p_lower(before, after)
     return {
-        "before": {"median": mb, "min": min(before), "max": max(before), "n": len(before)},
-        "after": {"median": ma, "min": min(after), "max": max(after), "n": len(after)},
+        "before": {"median": mb, "min": min(flat_b), "max": max(flat_b), "n": len(flat_b), "runs": len(before)},
+        "after": {"median": ma, "min": min(flat_a), "max": max(flat_a), "n": len(flat_a), "runs": len(after)},
         "median_change": ma / mb - 1.0,
         "p_lower": p,
         "not_lower": ma >= mb or p >= P_THRESHOLD,
@@ -116,12 +151,20 @@ def compare(before: list[float], after: list[float]) -> dict[str, Any]:
 
 
 def summarize(runs_dir: Path = RUNS_DIR) -> dict[str, Any]:
+    """The summary of every run in ``runs_dir`` (module docstring). The before side must
+    be one commit; the after side may pool several (each listed in ``commits``)."""
     sides = {}
     for side, stems in SIDES.items():
         files = sorted(f for stem in stems for f in runs_dir.glob("%s_*.json" % stem))
         if not files:
             raise FileNotFoundError("no %s runs in %s (run with --before first)" % (side, runs_dir))
-        sides[side] = (files, *_ratios(files))
+        sides[side] = (files, *_runs(files))
+    before_commits = {r["commit"] for r in sides["before"][2]}
+    if len(before_commits) != 1:
+        raise ValueError(
+            "%s: before runs from several commits %s: one comparison per folder (--runs-dir)"
+            % (runs_dir, sorted(c[:7] for c in before_commits))
+        )
     batches = [b for b in sides["before"][1] if b in sides["after"][1]]
     out: dict[str, Any] = {
         "runs": {side: [f.name for f in files] for side, (files, _, _) in sides.items()},
@@ -158,11 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--before", help="the commit to compare against (runs the A/B first)")
     ap.add_argument("--runs", type=int, default=8, help="interleaved bench eagle runs per side")
     ap.add_argument("--repeats", type=int, default=3, help="repeats inside each run")
+    ap.add_argument("--runs-dir", type=Path, default=RUNS_DIR, help="where the runs are (one comparison each)")
     ap.add_argument("--json", type=Path, default=SUMMARY)
     args = ap.parse_args(argv)
     if args.before:
-        run(args.before, args.runs, args.repeats)
-    out = summarize()
+        run(args.before, args.runs, args.repeats, args.runs_dir)
+    out = summarize(args.runs_dir)
     write_json(args.json, out)
     print(markdown(out), end="")
 

@@ -318,14 +318,14 @@ def markdown(out: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for k, x in handoffs.items():
-            read, whole = x["handoff_bytes_per_request"], x.get("handoff_full_bytes_per_request")
+            read, whole = x["handoff_bytes_per_request"], x["handoff_full_bytes_per_request"]
             rows.append(
                 "| %s | %s | %s | %s |"
                 % (
                     k,
                     spread(x, "handoff_bytes_per_request", scale=1 / 1024),
                     spread(x, "handoff_full_bytes_per_request", scale=1 / 1024),
-                    "%.3f" % (read / whole) if whole else "-",
+                    "%.3f" % (read / whole),
                 )
             )
     return "\n".join(rows) + "\n"

@@ -64,7 +64,7 @@ from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
 from hybridpd.engine.vllm.stages import Stages
-from hybridpd.errors import InvalidRequestError
+from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import listen_ports
 
@@ -124,7 +124,8 @@ class VllmEngine:
         (MooncakeStoreConnector beside the NixlConnector). ``instance`` names the
         worker in logs. ``kv_cache_memory_bytes``: vLLM's KV and state space (None:
         ``$HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES``, else 1 GiB); ``kv_cache_blocks``: that space
-        in pages instead (None: ``$HYBRIDPD_VLLM_KV_CACHE_BLOCKS``, else by bytes)."""
+        in pages (None: ``$HYBRIDPD_VLLM_KV_CACHE_BLOCKS``, else by bytes); vLLM then
+        allocates exactly that many pages, whatever the bytes say."""
         check_dtype(cfg, model_dir)
         events_endpoint = kv_events_endpoint() if cache_events else None
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -167,6 +168,8 @@ class VllmEngine:
         if kv_cache_blocks is None and os.environ.get(KV_CACHE_BLOCKS_ENV):
             kv_cache_blocks = int(os.environ[KV_CACHE_BLOCKS_ENV])
         if kv_cache_blocks is not None:
+            if kv_cache_blocks < 1:
+                raise ConfigError("engine", "%s must be a positive page count" % KV_CACHE_BLOCKS_ENV)
             kw["num_gpu_blocks_override"] = kv_cache_blocks
         logger.info("%s: starting vLLM (%s) with %s", instance, role, kw)
         with one_gloo_device():
