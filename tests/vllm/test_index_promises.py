@@ -127,14 +127,18 @@ def run(stack: Stack, count: int, seed: int) -> dict[str, Any]:
 
 
 def start_stack(workdir: Path) -> Stack:
-    """The stack with a small KV space in every engine (``VllmEngine`` reads it from
-    the environment the actors inherit)."""
-    os.environ[KV_CACHE_BLOCKS_ENV] = str(KV_BLOCKS)
+    """The stack with a small KV space in every engine (``VllmEngine`` reads
+    ``KV_CACHE_BLOCKS_ENV``, which the caller sets, from the environment the actors
+    inherit); stopped again if the space did not take effect."""
     stack = Stack(workdir, ARGS, start_timeout_s=900)
     stack.start()
-    pools = {name: s["pool"] for name, s in stack.stats().items()}
-    for name in INSTANCES:  # the space took effect (vLLM holds one null block back)
-        assert pools[name]["num_blocks"] == KV_BLOCKS - 1, pools
+    try:
+        pools = {name: s["pool"] for name, s in stack.stats().items()}
+        for name in INSTANCES:  # the space took effect (vLLM holds one null block back)
+            assert pools[name]["num_blocks"] == KV_BLOCKS - 1, pools
+    except BaseException:
+        stack.stop()
+        raise
     return stack
 
 
@@ -158,6 +162,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=RESULTS_JSON)
     args = ap.parse_args()
     from bench import provenance
+
+    os.environ[KV_CACHE_BLOCKS_ENV] = str(KV_BLOCKS)
 
     with provenance.record(uses_vllm=True) as prov, tempfile.TemporaryDirectory(prefix="hybridpd-promises-") as tmp:
         stack = start_stack(Path(tmp))
