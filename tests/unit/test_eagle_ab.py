@@ -38,8 +38,7 @@ def _scaled_copy(src: Path, dst: Path, factor: float) -> None:
 
 
 def test_the_committed_runs_hold_and_a_four_percent_lower_after_fails(tmp_path: Path) -> None:
-    if not any(eagle_ab.RUNS_DIR.glob("*.json")):
-        pytest.skip("no committed A/B runs in %s" % eagle_ab.RUNS_DIR)
+    assert any(eagle_ab.RUNS_DIR.glob("*.json")), "the A/B runs are committed in %s" % eagle_ab.RUNS_DIR
     out = eagle_ab.summarize()
     assert out["checks"]["batch_1_not_lower"] and out["checks"]["batch_8_not_lower"]
     assert set(out["commits"]["before"]).isdisjoint(out["commits"]["after"])
@@ -51,8 +50,7 @@ def test_the_committed_runs_hold_and_a_four_percent_lower_after_fails(tmp_path: 
 
 def test_summary_refuses_an_empty_side_and_mixed_before_commits(tmp_path: Path) -> None:
     olds = sorted(eagle_ab.RUNS_DIR.glob("old_*.json"))
-    if not olds:
-        pytest.skip("no committed A/B runs in %s" % eagle_ab.RUNS_DIR)
+    assert olds, "the A/B runs are committed in %s" % eagle_ab.RUNS_DIR
     (tmp_path / "runs").mkdir()
     with pytest.raises(FileNotFoundError, match="before"):
         eagle_ab.summarize(tmp_path / "runs")
