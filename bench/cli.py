@@ -355,6 +355,65 @@ def bench_eagle_ab(json_path: str, before: str | None, runs: int) -> None:
     eagle_ab.main(["--json", json_path, "--runs", str(runs)] + (["--before", before] if before else []))
 
 
+@bench.command("index-scale")
+@workload_json_option("index_scale")
+@QUICK_OPTION
+@repeats_option(3, "Complete measurements (fresh Redis each); the JSON keeps every one, tables show medians.")
+@click.option(
+    "--levels",
+    default=None,
+    help="Membership counts to measure at, comma-separated [default: 100000,1000000,3000000,10000000;"
+    " with --quick 100000,300000,1000000].",
+)
+@click.option("--rates", default=None, help="Ingestion rates (events/s) of the ladder, comma-separated.")
+@click.option("--unit", type=click.IntRange(min=1), default=128, show_default=True, help="Tokens per block.")
+@click.option(
+    "--iterations", type=click.IntRange(min=10), default=200, show_default=True, help="Decisions per size and level."
+)
+@click.option(
+    "--budget-factor",
+    type=click.FloatRange(min=1.0),
+    default=2.0,
+    show_default=True,
+    help="Ingestion keeps the 164K decision p99 within this factor of its idle value.",
+)
+def bench_index_scale(
+    json_path: str | None,
+    quick: bool,
+    repeats: int,
+    levels: str | None,
+    rates: str | None,
+    unit: int,
+    iterations: int,
+    budget_factor: float,
+) -> None:
+    """The prefix index at cluster scale: a real Redis and lookup.lua, 64 instances, up to 10M
+    memberships. Decision p50/p99 at 1K/16K/164K tokens per index size, Redis memory per
+    membership and CPU per lookup and per event, the sustained ingestion rate within budget,
+    and the memory of alternative encodings. Writes JSON, PNG and a markdown table."""
+    from pathlib import Path
+
+    from bench import index_scale
+
+    def ints(text: str | None) -> tuple[int, ...] | None:
+        if text is None:
+            return None
+        try:
+            got = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError as exc:
+            raise click.BadParameter("comma-separated integers expected, got %r" % text) from exc
+        if not got or min(got) < 1:
+            raise click.BadParameter("positive integers expected, got %r" % text)
+        return got
+
+    path = Path(json_path or "bench/results/index_scale%s.json" % ("_quick" if quick else ""))
+    out = index_scale.run(
+        path, quick, repeats, ints(levels), ints(rates), unit=unit, iterations=iterations, budget_factor=budget_factor
+    )
+    click.echo(index_scale.markdown(out))
+    click.echo("wrote %s (+ .png, .md)" % path)
+
+
 @bench.command("soak")
 @json_option("soak")
 @click.option("--minutes", type=click.FloatRange(min=0.05), default=10.0, show_default=True, help="How long to run.")

@@ -12,8 +12,8 @@
 -- Cost: per group, the leading run of KV blocks is read in chunks of ~30
 -- hashes and stops at the first absent one (a miss costs one chunk, not the
 -- whole chain): store keys with EXISTS (a count: every key present or not;
--- MGET only for the chunk that has the first absent one), instance hashes
--- with HMGET. Then single probes for state from the top of that run downwards
+-- MGET only for the chunk that has the first absent one), instance sets
+-- with SMISMEMBER (Redis >= 6.2). Then single probes for state from the top of that run downwards
 -- (the deepest checkpoint is usually found in a probe or two).
 --
 -- NOTE: at 1,281 blocks the script's time is per-block work inside Redis
@@ -30,7 +30,7 @@ local eagle = ARGV[4] == "1"
 local keys = ARGV[5]
 local hlen = tonumber(ARGV[6])
 local KV_CHUNK = 31    -- EXISTS k1..k31: 32 arguments
-local LOCAL_CHUNK = 30 -- HMGET key f1..f30: 32 arguments
+local LOCAL_CHUNK = 30 -- SMISMEMBER key m1..m30: 32 arguments
 local sub = string.sub
 local plen = #prefix + 3 -- #(prefix .. "kv:")
 local stride = plen + hlen
@@ -57,6 +57,13 @@ end
 local function first_absent(t, m)
   local j = 1
   while j <= m and t[j] do j = j + 1 end
+  return j
+end
+
+-- index of the first 0 of SMISMEMBER's reply t[1..m] (m + 1 if none)
+local function first_zero(t, m)
+  local j = 1
+  while j <= m and t[j] == 1 do j = j + 1 end
   return j
 end
 
@@ -148,17 +155,17 @@ for _, inst in ipairs(instances) do
   if redis.call("EXISTS", prefix .. "hb:" .. inst) == 1 then
     local h = 0
     if cap > 0 then
-      local lkv = prefix .. "lkv:" .. inst
+      local lkv = prefix .. "ikv:" .. inst
       local lead = leading(LOCAL_CHUNK, function(first, last)
         hashes_upto(last)
-        local j = first_absent(redis.call("HMGET", lkv, unpack(H, first, last)), last - first + 1)
+        local j = first_zero(redis.call("SMISMEMBER", lkv, unpack(H, first, last)), last - first + 1)
         return j - 1, j
       end, function(_, _, j)
         return j
       end)
-      local lst = prefix .. "lst:" .. inst
+      local lst = prefix .. "ist:" .. inst
       for i = lead, 1, -1 do
-        if redis.call("HEXISTS", lst, H[i]) == 1 then
+        if redis.call("SISMEMBER", lst, H[i]) == 1 then
           h = i * unit
           break
         end

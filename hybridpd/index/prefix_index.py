@@ -119,9 +119,9 @@ class PrefixIndex:
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             if kv_hashes:
-                pipe.hset(self.keys.local_kv(instance), mapping=dict.fromkeys(kv_hashes, 1))
+                pipe.sadd(self.keys.local_kv(instance), *kv_hashes)
             if state_hashes:
-                pipe.hset(self.keys.local_st(instance), mapping=dict.fromkeys(state_hashes, 1))
+                pipe.sadd(self.keys.local_st(instance), *state_hashes)
             pipe.execute()
 
     def remove_local(
@@ -130,9 +130,9 @@ class PrefixIndex:
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             if kv_hashes:
-                pipe.hdel(self.keys.local_kv(instance), *kv_hashes)
+                pipe.srem(self.keys.local_kv(instance), *kv_hashes)
             if state_hashes:
-                pipe.hdel(self.keys.local_st(instance), *state_hashes)
+                pipe.srem(self.keys.local_st(instance), *state_hashes)
             pipe.execute()
 
     def apply_local(self, instance: str, events: Sequence[CacheEvent]) -> None:
@@ -162,33 +162,33 @@ class PrefixIndex:
                     continue
                 key = self.keys.local_kv(instance) if ev.group is CacheGroup.KV else self.keys.local_st(instance)
                 if ev.kind is CacheEventKind.STORED:
-                    pipe.hset(key, mapping=dict.fromkeys(ev.hashes, 1))
+                    pipe.sadd(key, *ev.hashes)
                     pipe.expire(key, self.ttl_s)
                 else:
-                    pipe.hdel(key, *ev.hashes)
+                    pipe.srem(key, *ev.hashes)
             pipe.execute()
 
     def local_entries(self, instance: str) -> tuple[set[BlockHash], set[BlockHash]]:
         """(KV hashes, state hashes) the index holds for ``instance`` (tests, tools)."""
         with _mapped():
-            kv = self.r.hkeys(self.keys.local_kv(instance))
-            st = self.r.hkeys(self.keys.local_st(instance))
+            kv = self.r.smembers(self.keys.local_kv(instance))
+            st = self.r.smembers(self.keys.local_st(instance))
         return {BlockHash(_raw(h)) for h in kv}, {BlockHash(_raw(h)) for h in st}
 
     def held_blocks(self, instances: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         """Per instance, how many leading blocks of the chain its local cache holds
-        (one HMGET each, in one round trip): decode affinity."""
+        (one SMISMEMBER each, in one round trip): decode affinity."""
         if not instances or not block_hashes:
             return {}
         with _mapped():
             pipe = self.r.pipeline(transaction=False)
             for inst in instances:
-                pipe.hmget(self.keys.local_kv(inst), list(block_hashes))
+                pipe.smismember(self.keys.local_kv(inst), list(block_hashes))
             rows = pipe.execute()
         out = {}
         for inst, row in zip(instances, rows, strict=True):
             n = 0
-            while n < len(row) and row[n] is not None:
+            while n < len(row) and row[n]:
                 n += 1
             out[inst] = n
         return out

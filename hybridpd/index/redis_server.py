@@ -52,11 +52,6 @@ class RedisServer(ManagedProcess):
             str(workdir),
             "--protected-mode",
             "no",
-            # NOTE: per-instance hashes hold thousands of block hashes; a ziplist
-            # (Redis' encoding up to 512 entries) makes each HMGET field a linear
-            # scan, 4x slower lookups. Hash tables from 64 entries on.
-            "--hash-max-ziplist-entries",
-            "64",
         ]
         if password:
             argv += ["--requirepass", password]

@@ -9,10 +9,10 @@ key                        type    meaning
 ``hpd:<m>:kv:<H>``         string  KV of block H is in MooncakeStore (TTL)
 ``hpd:<m>:st:<H>``         string  state after the prefix ending in block H is
                                    in MooncakeStore; value = its position (TTL)
-``hpd:<m>:lkv:<i>``        hash    fields H: KV of block H is in instance i's
+``hpd:<m>:ikv:<i>``        set     members H: KV of block H is in instance i's
                                    local cache (key TTL refreshed by heartbeat;
                                    a decode instance: by ``refresh_local``)
-``hpd:<m>:lst:<i>``        hash    fields H: state at H in instance i's cache
+``hpd:<m>:ist:<i>``        set     members H: state at H in instance i's cache
 ``hpd:<m>:hb:<i>``         string  instance i is alive; value = its load (JSON),
                                    expires unless heartbeats refresh it
 ``hpd:<m>:instances``      set     instances that ever heartbeated (the lookup
@@ -29,13 +29,17 @@ EVALSHA of ``lookup.lua`` (packed by hand: redis-py's generic packing cost
 more than the lookup itself); the chain travels as ONE argument, its store KV
 keys back to back, which the script cuts at a fixed stride (Redis parses 6
 arguments, not 1,285). The leading run of each group is read in chunks
-(EXISTS counts for store keys, HMGET for instance hashes) and stops at the
+(EXISTS counts for store keys, SMISMEMBER for instance sets) and stops at the
 first absent block, so holes anywhere in a chain are handled exactly (tests
 compare with a brute-force reference) and a short hit costs a short scan.
 
-For an external Redis set ``hash-max-ziplist-entries 64`` (``hash-max-listpack-
-entries`` on Redis 7+): instance hashes hold thousands of fields and a
-compact encoding makes every HMGET field a linear scan.
+Instance entries are sets (Redis >= 6.2 for SMISMEMBER), not hashes: a set
+member carries no value, 20 % less memory per membership at the same exact
+lookup (``bench index-scale`` measures the encodings side by side; the keys
+were renamed from ``lkv``/``lst`` with the type, so a rolling upgrade never
+meets a hash where it expects a set). Small sets in Redis 7.2+ are listpacks
+up to ``set-max-listpack-entries`` (128) members: a scan that short costs
+less than a probe of a hash table.
 """
 
 from __future__ import annotations
@@ -56,10 +60,10 @@ class IndexKeys:
         return self._st + h
 
     def local_kv(self, instance: str) -> str:
-        return "%slkv:%s" % (self.prefix, instance)
+        return "%sikv:%s" % (self.prefix, instance)
 
     def local_st(self, instance: str) -> str:
-        return "%slst:%s" % (self.prefix, instance)
+        return "%sist:%s" % (self.prefix, instance)
 
     def hits(self, h: BlockHash) -> bytes:
         return self.prefix.encode() + b"hit:" + h

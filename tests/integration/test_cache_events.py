@@ -140,7 +140,7 @@ def test_a_failover_replica_keeps_the_batch_for_replay(tmp_path: Path) -> None:
 
 
 def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tmp_path: Path) -> None:
-    """An error that is not an outage (here: the operator's ACL denies HDEL)
+    """An error that is not an outage (here: the operator's ACL denies SREM)
     loses a batch that held removals. The publisher then clears this
     instance's entries before the next batch: the index may under-claim for a
     while, never claim the evicted prefix."""
@@ -149,7 +149,7 @@ def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tm
         w.prefill(PrefillCommand(a))
         a_blocks = set(eng.cache)
         assert _kv_claimed(index) == a_blocks
-        admin.execute_command("ACL", "SETUSER", "default", "-hdel")
+        admin.execute_command("ACL", "SETUSER", "default", "-srem")
         for i, seed in enumerate((2, 3)):
             w.prefill(PrefillCommand(_req("x%d" % i, seed)))
         assert eng.local_hit(a.prompt_token_ids) == 0  # a was evicted; its removal was refused
@@ -160,7 +160,7 @@ def test_a_dropped_batch_clears_the_instance_so_nothing_removed_stays_claimed(tm
 
         wait_until(not_claimed, 10, 0.1, "the evicted prefix no longer claimed")
         assert w.stats()["cache_events_dropped"] >= 1
-        admin.execute_command("ACL", "SETUSER", "default", "+hdel")
+        admin.execute_command("ACL", "SETUSER", "default", "+srem")
         w.prefill(PrefillCommand(_req("y", 4)))
         assert _kv_claimed(index) <= set(eng.cache) and _kv_claimed(index)  # publishing again, truthfully
 
