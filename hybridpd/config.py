@@ -169,6 +169,10 @@ class HybridPDConfig(BaseModel):
 
     # -- external services (unset: the local stack starts its own)
     redis_url: str | None = Field(None, description="Redis URL of the prefix index, e.g. redis://:pw@host:port/0.")
+    redis_cluster: bool = Field(
+        False,
+        description="redis_url names a node of a Redis Cluster (>= 6.2); a model's index keys share one hash slot.",
+    )
     mooncake_master: str | None = Field(None, description="Mooncake master host:port (its RPC port).")
     mooncake_metadata_url: str | None = Field(
         None, description="Mooncake HTTP metadata URL; default http://<master host>:8080/metadata."
@@ -235,6 +239,10 @@ class HybridPDConfig(BaseModel):
             raise ConfigError("mooncake_metadata_url", "must be an http(s) URL, got %r" % self.mooncake_metadata_url)
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("redis_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_url)
+        if self.redis_cluster and self.redis_url is None:
+            raise ConfigError(
+                "redis_cluster", "needs redis_url (a node of the cluster); the local stack starts one Redis"
+            )
         return self
 
     @property

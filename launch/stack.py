@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.errors import StartupError, UnavailableError
+from hybridpd.errors import ConfigError, StartupError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import listen_ports, port_open
@@ -83,7 +83,18 @@ class LocalStack:
 
     def _start_redis(self) -> None:
         if self.cfg.redis_url:
-            PrefixIndex(self.cfg.redis_url, "probe").ping()  # fail fast with a clear error
+            probe = PrefixIndex(self.cfg.redis_url, "probe", cluster=self.cfg.redis_cluster)
+            probe.ping()  # fail fast with a clear error
+            if probe.server_is_cluster() != self.cfg.redis_cluster:
+                raise ConfigError(
+                    "redis_cluster",
+                    "the Redis at redis_url %s in cluster mode: %s"
+                    % (
+                        ("runs", "set redis_cluster (--redis-cluster)")
+                        if not self.cfg.redis_cluster
+                        else ("does not run", "unset redis_cluster or point at a cluster node")
+                    ),
+                )
             self.urls.redis_url = self.cfg.redis_url
             return
         self.redis = RedisServer(self.workdir)
@@ -239,7 +250,11 @@ class LocalStack:
         from services.router.metrics import RouterMetrics
         from services.router.orchestrator import Orchestrator
 
-        index = PrefixIndex(self.urls.redis_url, self.model_id) if self.urls.redis_url else None
+        index = (
+            PrefixIndex(self.urls.redis_url, self.model_id, cluster=self.cfg.redis_cluster)
+            if self.urls.redis_url
+            else None
+        )
         tok = TextTokenizer(Path(resolve_model(self.cfg)))
         prefill = {n: PrefillClient(n, h) for n, h in self.prefill.items()}
         decode = {n: DecodeClient(n, h) for n, h in self.decode.items()}

@@ -1,15 +1,20 @@
 """Client of the global prefix index (schema: ``schema.py``).
 
-Every Redis failure (refused, timed out, auth) surfaces as
-``UnavailableError`` within the configured timeout, so callers degrade to
+Every Redis failure (refused, timed out, auth, a cluster shard down) surfaces
+as ``UnavailableError`` within the configured timeout, so callers degrade to
 routing on load and recomputing; redis-py reconnects by itself once Redis is
 back (and re-loads the Lua script after a restart).
+
+``cluster=True``: ``url`` names any node of a Redis Cluster. All of a model's
+keys share one hash slot (schema.py), so every call here is answered by the
+shard that owns it; a lost shard means misses for its models until it is back.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -17,6 +22,8 @@ from importlib import resources
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.errors import UnavailableError
@@ -55,6 +62,10 @@ TRANSIENT_ERRORS = (
     redis.exceptions.MasterDownError,
     redis.exceptions.TryAgainError,
     redis.exceptions.ClusterDownError,
+    redis.exceptions.ClusterError,
+    redis.exceptions.RedisClusterException,
+    redis.exceptions.MovedError,
+    redis.exceptions.AskError,
 )
 
 
@@ -81,19 +92,43 @@ class PrefixIndex:
         ttl_s: int = 3600,
         heartbeat_ttl_s: float = 10.0,
         timeout_s: float = 0.5,
+        cluster: bool = False,
     ) -> None:
         self.keys = IndexKeys(model_id)
         self.ttl_s = ttl_s
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
-        self.r = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
-        )
+        self.cluster = cluster
+        self.r: Any
+        if cluster:
+            # NOTE: few retries: a shard that is down must turn into a miss within the timeout, not a stall
+            self.r = redis.RedisCluster.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                require_full_coverage=False,
+                retry=Retry(NoBackoff(), 1),
+            )
+        else:
+            self.r = redis.Redis.from_url(
+                url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+            )
         script = resources.files("hybridpd.index").joinpath("lookup.lua").read_text()
         self._lookup = self.r.register_script(script)
+        self._instances_key = self.keys.instances.encode()
+        self._stale_slots = False
+        self._next_refresh = 0.0
 
     def ping(self) -> bool:
         with _mapped():
             return bool(self.r.ping())
+
+    def server_is_cluster(self) -> bool:
+        """Whether the server (the node of ``url``) runs in cluster mode (``INFO cluster``)."""
+        with _mapped():
+            info = self.r.info("cluster")
+        if self.cluster:  # a dict per node
+            return all(bool(v.get("cluster_enabled")) for v in info.values() if isinstance(v, dict))
+        return bool(info.get("cluster_enabled"))
 
     # -- store entries ---------------------------------------------------------------
     def publish_store(self, block_hashes: Sequence[BlockHash], state_hash: BlockHash | None, position: int) -> None:
@@ -234,12 +269,33 @@ class PrefixIndex:
         return _result(res)
 
     def _script_head(self, argc: int) -> bytes:
-        return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n0\r\n" % (argc + 3, self._lookup.sha.encode())
+        """EVALSHA, the script, one declared key (the model's ``instances`` set: it names
+        the slot, so a cluster or a proxy routes the script by it), then ``argc`` arguments."""
+        key = self._instances_key
+        return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n$%d\r\n%s\r\n" % (
+            argc + 4,
+            self._lookup.sha.encode(),
+            len(key),
+            key,
+        )
+
+    def _pool(self) -> Any:
+        """The connection pool of the server that answers for this model's slot (on a
+        cluster, the slot map is re-read at most once a second after a connection error)."""
+        if not self.cluster:
+            return self.r.connection_pool
+        if self._stale_slots and time.monotonic() >= self._next_refresh:
+            self._next_refresh = time.monotonic() + 1.0
+            self.r.nodes_manager.initialize()
+            self._stale_slots = False
+        node = self.r.get_node_from_key(self._instances_key)
+        return self.r.get_redis_connection(node).connection_pool
 
     def _evalsha(self, argc: int, packed: bytes) -> Any:
-        """EVALSHA of the lookup script with ``argc`` pre-packed arguments (loads it on NOSCRIPT)."""
+        """EVALSHA of the lookup script with ``argc`` pre-packed arguments (loads it on
+        NOSCRIPT; on a cluster, follows one MOVED/ASK by re-reading the slot map)."""
         for attempt in range(2):
-            pool = self.r.connection_pool
+            pool = self._pool()
             conn = pool.get_connection()
             try:
                 conn.send_packed_command([self._script_head(argc), packed])
@@ -248,8 +304,14 @@ class PrefixIndex:
                 if attempt:
                     raise
                 self._lookup.sha = self.r.script_load(self._lookup.script)
-            except BaseException:
+            except (redis.exceptions.MovedError, redis.exceptions.AskError):
+                if attempt or not self.cluster:
+                    raise
+                self.r.nodes_manager.initialize()
+            except BaseException as exc:
                 conn.disconnect()  # a half-read reply must not reach the next caller
+                if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                    self._stale_slots = True  # a failover may have moved the slot: re-read the map
                 raise
             finally:
                 pool.release(conn)

@@ -33,7 +33,12 @@ class RedisServer(ManagedProcess):
     """A local redis-server; ``url`` is what clients connect to."""
 
     def __init__(
-        self, workdir: Path, port: int | None = None, password: str | None = None, host: str = "127.0.0.1"
+        self,
+        workdir: Path,
+        port: int | None = None,
+        password: str | None = None,
+        host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
@@ -55,6 +60,7 @@ class RedisServer(ManagedProcess):
         ]
         if password:
             argv += ["--requirepass", password]
+        argv += extra_args or []
         super().__init__("redis-server", argv, workdir / ("redis-%d.log" % self.port))
 
     @property

@@ -1,4 +1,8 @@
-"""Redis schema of the global prefix index. ``<m>`` is the model id, ``<H>``
+"""Redis schema of the global prefix index. Every key starts ``hpd:{<m>}:``:
+the braces make the model id a Redis Cluster hash tag, so all of one model's
+keys share one hash slot and a lookup (one Lua script) touches one shard of a
+cluster; models spread over the shards. In the table ``hpd:<m>:`` stands for
+that prefix. ``<m>`` is the model id, ``<H>``
 a chain hash as its raw digest bytes (32 for sha256_cbor; binary keys halve
 what a 1,282-hash lookup sends and what Redis hashes per probe), ``<i>`` a
 prefill instance name.
@@ -49,7 +53,9 @@ from hybridpd.hashing import BlockHash
 
 class IndexKeys:
     def __init__(self, model_id: str) -> None:
-        self.prefix = "hpd:%s:" % model_id
+        # NOTE: a "}" in the id would end the hash tag early (an empty tag hashes the whole key)
+        tag = model_id.replace("%", "%25").replace("}", "%7D")
+        self.prefix = "hpd:{%s}:" % tag
         self._kv = (self.prefix + "kv:").encode()
         self._st = (self.prefix + "st:").encode()
 

@@ -63,7 +63,11 @@ class DecodeWorker(WorkerBase):
         self.engine = engine or make_engine(cfg, "decode", instance=name)
         self.stats_lock = threading.Lock()
         self.counters = DecodeCounters()
-        self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url and cfg.enable_prefix_caching else None
+        self.index = (
+            PrefixIndex(redis_url, self.engine.model_id, cluster=cfg.redis_cluster)
+            if redis_url and cfg.enable_prefix_caching
+            else None
+        )
         self.mirror = IndexMirror(name, self.index, self.counters, self.stats_lock) if self.index else None
         self.loop = EngineLoop(self.engine, after_step=self._collect_events)
         self._stop = threading.Event()

@@ -94,7 +94,7 @@ class PrefillWorker(WorkerBase):
             cache_events=bool(redis_url),
             store=store_addr,
         )
-        self.index = PrefixIndex(redis_url, self.engine.model_id) if redis_url else None
+        self.index = PrefixIndex(redis_url, self.engine.model_id, cluster=cfg.redis_cluster) if redis_url else None
         self.store = (
             CheckpointStore(*store_addr, self.engine.model_id, local_host=_store_host(cfg))
             if store_addr is not None and self.engine.imports_checkpoints  # vLLM: its connector

@@ -44,7 +44,8 @@ class Stack(StackProcess):
     # -- the prefix index, as the router reads it (the stacks run on the default u and hash)
     @cached_property
     def index(self) -> PrefixIndex:
-        return PrefixIndex(self.banner("Redis (prefix index)"), self.stats()["prefill-0"]["model_id"])
+        cluster = "--redis-cluster" in self.extra_args
+        return PrefixIndex(self.banner("Redis (prefix index)"), self.stats()["prefill-0"]["model_id"], cluster=cluster)
 
     @cached_property
     def _hasher(self) -> BlockHasher:

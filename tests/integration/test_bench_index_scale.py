@@ -32,8 +32,9 @@ def test_a_small_run_writes_every_figure(tmp_path: Path) -> None:
     assert len(ladder) == 1 and ladder[0]["achieved_events_s"] > 0
     assert out["ingestion"]["redis_cpu_us_per_event"] > 0
     assert set(out["encodings"]) == set(index_scale.ENCODINGS)
-    assert out["encodings"]["set_per_instance_16B"]["bytes_per_membership"] < (
-        out["encodings"]["set_per_instance"]["bytes_per_membership"]
+    assert (
+        out["encodings"]["set_per_instance_16B"]["bytes_per_membership"]
+        < (out["encodings"]["set_per_instance"]["bytes_per_membership"])
     )
     key = "growth_p99_164000"
     assert out["checks"][key]["median"] == out[key] and out["checks"][key]["budget"] == index_scale.GROWTH_BUDGET

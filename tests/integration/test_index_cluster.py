@@ -1,0 +1,183 @@
+"""The prefix index on a real 3-master Redis Cluster (redis-server in cluster
+mode, started here): lookups equal the single-Redis index and the brute-force
+reference on randomized chains, models spread over the shards, and a master
+killed during traffic costs misses for its models, never an over-promise;
+the index recovers when the master returns."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hybridpd.checkpoints import known_prefix, longest_usable_hit
+from hybridpd.errors import UnavailableError
+from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.redis_cluster import LocalRedisCluster
+from hybridpd.index.redis_server import RedisServer
+from tests.wait import wait_until
+
+pytestmark = pytest.mark.integration
+
+UNIT = 4
+HASHER = BlockHasher(unit=UNIT, seed="cluster-test")
+CHAIN = HASHER.chain(list(range(500, 500 + 120 * UNIT)))  # 120 blocks: several of the script's chunks
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    c = LocalRedisCluster(Path(tmp_path_factory.mktemp("cluster")), masters=3)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def _publish(index: PrefixIndex, kv: list[bool], states: set[int], insts: list[tuple[list[bool], set[int]]]) -> None:
+    index.publish_store([h for h, p in zip(CHAIN, kv, strict=True) if p], None, 0)
+    for i in states:
+        index.publish_store([], CHAIN[i], (i + 1) * UNIT)
+    for j, (ikv, ist) in enumerate(insts):
+        name = "prefill-%d" % j
+        index.publish_local(name, [h for h, p in zip(CHAIN, ikv, strict=True) if p], [CHAIN[i] for i in ist])
+        index.heartbeat(name, InstanceLoad(queued_tokens=j))
+
+
+_presence = st.lists(st.booleans(), min_size=len(CHAIN), max_size=len(CHAIN)).map(
+    lambda xs: [True] * 40 + xs[40:]  # a long leading run, then holes
+)
+_states = st.sets(st.integers(0, len(CHAIN) - 1), max_size=8)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n_tokens=st.integers(1, len(CHAIN) * UNIT + 3),
+    kv=_presence,
+    states=_states,
+    insts=st.lists(st.tuples(_presence, _states), max_size=3),
+    eagle=st.booleans(),
+)
+def test_cluster_lookup_equals_single_redis_and_brute_force(
+    cluster: LocalRedisCluster,
+    redis_server: RedisServer,
+    n_tokens: int,
+    kv: list[bool],
+    states: set[int],
+    insts: list[tuple[list[bool], set[int]]],
+    eagle: bool,
+) -> None:
+    model = "m-" + uuid.uuid4().hex[:8]  # a fresh model: a fresh slot, anywhere in the cluster
+    on_cluster = PrefixIndex(cluster.url, model, cluster=True)
+    single = PrefixIndex(redis_server.url, model)
+    for index in (on_cluster, single):
+        _publish(index, kv, states, insts)
+    nb = min(n_tokens // UNIT, len(CHAIN))
+    got = on_cluster.lookup(CHAIN[:nb], n_tokens, UNIT, eagle)
+    assert got == single.lookup(CHAIN[:nb], n_tokens, UNIT, eagle)
+
+    def brute(present: list[bool], st_: set[int]) -> int:
+        return longest_usable_hit(n_tokens, UNIT, present[:nb], {(i + 1) * UNIT for i in st_ if i < nb}, eagle)
+
+    assert got.store_hit == brute(kv, states)
+    assert got.instance_hits == {"prefill-%d" % j: brute(ikv, ist) for j, (ikv, ist) in enumerate(insts)}
+    assert got.known == max(known_prefix(n_tokens, UNIT, g[:nb]) for g in [kv, *(i[0] for i in insts)])
+    names = ["prefill-%d" % j for j in range(len(insts))]
+    assert on_cluster.held_blocks(names, CHAIN) == single.held_blocks(names, CHAIN)
+    assert set(on_cluster.live_instances()) == set(single.live_instances()) == set(names)
+    for name in names:
+        assert on_cluster.local_entries(name) == single.local_entries(name)
+
+
+def test_models_spread_over_the_shards_and_each_lookup_is_one_shard(cluster: LocalRedisCluster) -> None:
+    owners = {cluster.master_of(PrefixIndex(cluster.url, "model-%d" % i, cluster=True).keys.instances) for i in range(12)}
+    assert owners == {0, 1, 2}
+    index = PrefixIndex(cluster.url, "spread", cluster=True)
+    index.publish_store(CHAIN[:30], CHAIN[19], 20 * UNIT)
+    index.publish_local("prefill-0", CHAIN[:50], [CHAIN[39]])
+    index.heartbeat("prefill-0", InstanceLoad())
+    home = cluster.master_of(index.keys.instances)
+    for i, node in enumerate(cluster.nodes):  # every key of the model lives on its home shard
+        keys = PrefixIndex(node.url, "probe").r.execute_command("KEYS", index.keys.prefix.replace("{", "\\{") + "*")
+        assert (len(keys) > 0) == (i == home), (i, home, len(keys))
+
+
+def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster: LocalRedisCluster) -> None:
+    """Two models, one on the master that is killed: while it is down, every call
+    for that model fails fast with UnavailableError (the router routes on load
+    and recomputes), the other model's lookups go on unchanged; when the master
+    is back (empty) the model's hits are zero until published again, then exact."""
+    models = ["victim-" + uuid.uuid4().hex[:6], ""]
+    victim = PrefixIndex(cluster.url, models[0], cluster=True)
+    home = cluster.master_of(victim.keys.instances)
+    while True:  # a bystander model on another shard
+        models[1] = "bystander-" + uuid.uuid4().hex[:6]
+        bystander = PrefixIndex(cluster.url, models[1], cluster=True)
+        if cluster.master_of(bystander.keys.instances) != home:
+            break
+    expected = {}
+    for index in (victim, bystander):
+        index.publish_store(CHAIN[:60], CHAIN[49], 50 * UNIT)
+        index.publish_local("prefill-0", CHAIN[:90], [CHAIN[79]])
+        index.heartbeat("prefill-0", InstanceLoad())
+        expected[index.keys.prefix] = index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False)
+    assert expected[victim.keys.prefix].store_hit == 50 * UNIT
+
+    over: list[str] = []
+    counts = {"ok": 0, "unavailable": 0, "bystander_ok": 0, "bystander_failed": 0}
+    stop = threading.Event()
+
+    def traffic() -> None:
+        rng = random.Random(7)
+        while not stop.is_set():
+            for index, key in ((victim, "ok"), (bystander, "bystander_ok")):
+                want = expected[index.keys.prefix]
+                try:
+                    got = index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False)
+                    index.heartbeat("prefill-0", InstanceLoad(queued_tokens=rng.randrange(10)))
+                except UnavailableError:
+                    counts["unavailable" if index is victim else "bystander_failed"] += 1
+                    continue
+                counts[key] += 1
+                if got.store_hit > want.store_hit or any(
+                    h > want.instance_hits.get(i, 0) for i, h in got.instance_hits.items()
+                ):
+                    over.append("%s: %s > %s" % (key, got, want))
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=traffic, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: counts["ok"] >= 10, 20, 0.05, "traffic on both models before the kill")
+        cluster.stop_master(home)
+        t_down = time.monotonic()
+        wait_until(lambda: counts["unavailable"] >= 20, 20, 0.05, "lookups of the killed shard's model failing")
+        down_for = time.monotonic() - t_down
+        before = counts["bystander_ok"]
+        wait_until(lambda: counts["bystander_ok"] >= before + 20, 20, 0.05, "the bystander served while down")
+        cluster.start_master(home)
+        wait_until(
+            lambda: victim.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False).instance_hits.get("prefill-0") == 0,
+            20,
+            0.1,
+            "the returned master answering (empty: heartbeats re-register, no hit yet)",
+            retry_on=(UnavailableError,),
+        )
+    finally:
+        stop.set()
+        thread.join(10)
+    assert not over, over[:3]
+    assert counts["bystander_failed"] == 0 and down_for < 20
+    # the index recovers: what the instance publishes again is found again, exactly
+    victim.publish_store(CHAIN[:60], CHAIN[49], 50 * UNIT)
+    victim.publish_local("prefill-0", CHAIN[:90], [CHAIN[79]])
+    victim.heartbeat("prefill-0", InstanceLoad())
+    assert victim.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False) == expected[victim.keys.prefix]
