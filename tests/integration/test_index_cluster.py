@@ -98,7 +98,9 @@ def test_cluster_lookup_equals_single_redis_and_brute_force(
 
 
 def test_models_spread_over_the_shards_and_each_lookup_is_one_shard(cluster: LocalRedisCluster) -> None:
-    owners = {cluster.master_of(PrefixIndex(cluster.url, "model-%d" % i, cluster=True).keys.instances) for i in range(12)}
+    owners = {
+        cluster.master_of(PrefixIndex(cluster.url, "model-%d" % i, cluster=True).keys.instances) for i in range(12)
+    }
     assert owners == {0, 1, 2}
     index = PrefixIndex(cluster.url, "spread", cluster=True)
     index.publish_store(CHAIN[:30], CHAIN[19], 20 * UNIT)
