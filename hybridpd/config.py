@@ -184,9 +184,19 @@ class HybridPDConfig(BaseModel):
     num_decode: int = Field(1, ge=1, le=256, description="Decode actors.")
     actor_placement: Literal["any", "worker_groups"] = Field(
         "any",
-        description="any: actors go anywhere (local stack); worker_groups: prefill/decode actors need the Ray"
-        " resources hybridpd_prefill/hybridpd_decode (the Helm chart's worker groups) and are detached, shared"
-        " by every router replica.",
+        description="any: actors go anywhere (local stack); worker_groups: each prefill/decode actor needs one"
+        " unit of the Ray custom resource prefill_resource/decode_resource (the Helm chart's worker groups, or"
+        " nodes started with `ray start --resources`) and is detached, shared by every router replica.",
+    )
+    prefill_resource: str = Field(
+        "hybridpd_prefill",
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="Ray custom resource a prefill actor needs one unit of (worker_groups placement).",
+    )
+    decode_resource: str = Field(
+        "hybridpd_decode",
+        pattern=r"^[A-Za-z0-9_.\-]+$",
+        description="Ray custom resource a decode actor needs one unit of (worker_groups placement).",
     )
     actor_num_gpus: float = Field(0.0, ge=0, le=16, description="GPUs each prefill/decode actor reserves in Ray.")
     store_host: str = Field(

@@ -179,8 +179,8 @@ class LocalStack:
         if self.cfg.actor_placement == "worker_groups":
             # NOTE: detached + get_if_exists: every router replica attaches to the same actors
             shared = {"lifetime": "detached", "get_if_exists": True, "num_gpus": self.cfg.actor_num_gpus}
-            prefill_opts.update(shared, resources={"hybridpd_prefill": 1})
-            decode_opts.update(shared, resources={"hybridpd_decode": 1})
+            prefill_opts.update(shared, resources={self.cfg.prefill_resource: 1})
+            decode_opts.update(shared, resources={self.cfg.decode_resource: 1})
         elif self.cfg.actor_num_gpus:
             prefill_opts["num_gpus"] = decode_opts["num_gpus"] = self.cfg.actor_num_gpus
         urls = self.urls

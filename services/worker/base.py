@@ -37,6 +37,7 @@ class WorkerBase:
             "name": self.name,
             "model_id": self.engine.model_id,
             "pid": os.getpid(),
+            "ray_node_id": _ray_node_id(),
             "pool": asdict(pool),
             **counters,
         }
@@ -127,3 +128,13 @@ def ray_metrics(name: str, counters: dict, gauges: dict, histograms: dict) -> Ac
     if not ray.is_initialized():
         return None
     return ActorMetrics(name, counters, gauges, histograms)
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node this worker runs on (hex), or None outside a Ray worker."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # an old or absent Ray: the field is informational
+        return None

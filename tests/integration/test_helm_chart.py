@@ -27,7 +27,7 @@ CHART = ROOT / "deploy" / "helm" / "hybridpd"
 HERE = Path(__file__).parent / "helm"
 NODE_MODULES = ROOT / ".cache" / "npm" / "node_modules"
 K8S_VERSION = "1.30.0"
-VALUE_SETS = ["default", "gpu", "external-redis", "minimal"]
+VALUE_SETS = ["default", "gpu", "external-redis", "external-redis-cluster", "minimal"]
 CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/")
 # KubeRay v1.7.0's RayCluster CRD, unchanged: shared/ sits beside the repository (see its README)
 RAYCLUSTER_CRD = ROOT.parent / "shared" / "fixtures" / "kuberay" / "ray.io_rayclusters.yaml"
@@ -146,7 +146,8 @@ def test_raycluster_worker_groups_follow_the_values(name: str, rendered: dict[st
         want = v.get("ray", {}).get(group, {})
         assert g["replicas"] == want.get("replicas", 2 if group == "prefill" else 1)
         # each pod advertises the custom resource its actor needs (actor_placement=worker_groups)
-        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {"hybridpd_%s" % group: 1}
+        resource = want.get("resource", "hybridpd_%s" % group)
+        assert json.loads(json.loads(g["rayStartParams"]["resources"])) == {resource: 1}
         limits = g["template"]["spec"]["containers"][0]["resources"].get("limits", {})
         assert limits.get("nvidia.com/gpu", 0) == want.get("gpus", 0)
 
@@ -298,6 +299,10 @@ def test_rendered_config_file_loads_with_hybridpd_config(
     assert cfg.actor_placement == "worker_groups" and cfg.store_host == "auto" and cfg.ray_address == "auto"
     assert cfg.host == "0.0.0.0" and cfg.http_port == 8000 and cfg.grpc_port == 50051
     assert cfg.mooncake_master and cfg.mooncake_metadata_url and cfg.redis_url
+    assert cfg.redis_cluster == v.get("redis", {}).get("cluster", False)
+    ray_values = v.get("ray", {})
+    assert cfg.prefill_resource == ray_values.get("prefill", {}).get("resource", "hybridpd_prefill")
+    assert cfg.decode_resource == ray_values.get("decode", {}).get("resource", "hybridpd_decode")
     # the router's env (password from the Secret) overrides the file, as in the pod
     router = _one(rendered[name], "Deployment", "-router")
     env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0].get("env", [])}
@@ -337,6 +342,13 @@ def test_only_the_router_is_reachable_from_outside(rendered: dict[str, list[dict
         ({"ray": {"prefill": {"gpus": 1}, "decode": {"gpus": 1}}}, "config.device is cpu"),
         ({"redis": {"enabled": False}}, "set redis.externalUrl"),
         ({"redis": {"externalUrl": "redis://r:6379/0"}}, "choose one"),
+        ({"redis": {"cluster": True}}, "redis.cluster needs an external Redis Cluster"),
+        (
+            {"redis": {"enabled": False, "externalUrl": "redis://r:6379/2", "cluster": True}},
+            "a Redis Cluster has database 0 only",
+        ),
+        ({"ray": {"decode": {"resource": "hybridpd_prefill"}}}, "must differ"),
+        ({"ray": {"prefill": {"resource": "a b"}}}, "/ray/prefill/resource"),
         ({"mooncake": {"enabled": False}}, "set mooncake.externalMaster"),
         ({"router": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}, "exceeds maxReplicas"),
         ({"router": {"podDisruptionBudget": {"minAvailable": 2}}}, "must be below the router replicas"),

@@ -7,6 +7,15 @@
 {{- if and .Values.redis.enabled .Values.redis.externalUrl -}}
 {{- fail "redis.externalUrl is set while redis.enabled is true: choose one (set redis.enabled=false to use the external Redis)" -}}
 {{- end -}}
+{{- if and .Values.redis.cluster .Values.redis.enabled -}}
+{{- fail "redis.cluster needs an external Redis Cluster: set redis.enabled=false and redis.externalUrl to any of its nodes" -}}
+{{- end -}}
+{{- if and .Values.redis.cluster (regexMatch "/[1-9][0-9]*$" .Values.redis.externalUrl) -}}
+{{- fail "redis.cluster: a Redis Cluster has database 0 only; end redis.externalUrl with /0 or no database" -}}
+{{- end -}}
+{{- if eq .Values.ray.prefill.resource .Values.ray.decode.resource -}}
+{{- fail "ray.prefill.resource and ray.decode.resource must differ (they keep prefill and decode actors apart)" -}}
+{{- end -}}
 {{- if and (not .Values.mooncake.enabled) (not .Values.mooncake.externalMaster) -}}
 {{- fail "mooncake.enabled is false: set mooncake.externalMaster (host:port)" -}}
 {{- end -}}
