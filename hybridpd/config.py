@@ -11,6 +11,7 @@ the field names below (``hybridpd config show`` prints a valid file).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -252,6 +253,10 @@ class HybridPDConfig(BaseModel):
         if self.redis_cluster and self.redis_url is None:
             raise ConfigError(
                 "redis_cluster", "needs redis_url (a node of the cluster); the local stack starts one Redis"
+            )
+        if self.redis_cluster and self.redis_url is not None and not re.search(r"://[^/]*(/0?)?$", self.redis_url):
+            raise ConfigError(
+                "redis_cluster", "a Redis Cluster has database 0 only: end redis_url with /0 or no database"
             )
         return self
 

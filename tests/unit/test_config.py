@@ -47,6 +47,8 @@ def test_roundtrip_yaml(tmp_path: Path) -> None:
         ({"grpc_port": 8000}, "grpc_port", "differ"),
         ({"mooncake_master": "nohost"}, "mooncake_master", "host:port"),
         ({"redis_url": "http://x"}, "redis_url", "redis://"),
+        ({"redis_cluster": True}, "redis_cluster", "needs redis_url"),
+        ({"redis_cluster": True, "redis_url": "redis://h:1/2"}, "redis_cluster", "database 0 only"),
         ({"checkpoint_alignment": -4}, "checkpoint_alignment", "or null"),
     ],
 )
