@@ -1,3 +1,4 @@
+# Over 350 lines: one workload run against every variant (stack, 4 routers, vLLM, vLLM P/D, stack on vLLM).
 """The growing-streams workload: long prompts that grow every round.
 
 S streams; stream s sends token-id prompts of length L0, L0 + D, ... up to
@@ -35,6 +36,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +45,7 @@ import httpx
 from tqdm import tqdm
 
 from bench.report import previous_variants, spread
-from bench.stack_stats import handoff_counters
+from bench.stack_stats import handoff_counters, load_spread, prefill_computed
 from launch.stack_process import StackProcess
 
 
@@ -79,16 +81,26 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "vllm-direct": [],  # not our stack: see _run_variant
         "vllm-pd": [],  # not our stack: see _run_variant
         "vllm-partial": ["--engine", "vllm", "--dtype", "bfloat16", "--prefix-match-unit", u, *common],
+        ROUTERS_VARIANT: ["--prefix-match-unit", u, *common],
     }
 
 
 VLLM_VARIANTS = ("vllm-direct", "vllm-pd", "vllm-partial")
+#: ``partial`` served through 4 routers sharing the index and the actors (#30): every
+#: request of a stream goes to another router than its previous one
+ROUTERS_VARIANT = "partial-4routers"
+ROUTERS = 4
 
 
 def _run_variant(name: str, args: list[str], w: Workload, tmp: Path) -> dict[str, Any]:
     from bench.vllm_direct import VllmServer, vllm_venv
     from bench.vllm_pd import VllmPd
 
+    if name == ROUTERS_VARIANT:
+        from bench.routers import attached_routers
+
+        with StackProcess(tmp, args) as st, attached_routers(st, ROUTERS, args, tmp) as urls:
+            return run_workload(urls, w, name)
     if name not in VLLM_VARIANTS:
         with StackProcess(tmp, args) as st:
             return run_workload(st.http, w, name)
@@ -156,21 +168,28 @@ def _one(url: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
     }
 
 
-def run_workload(url: str, w: Workload, label: str) -> dict[str, Any]:
+def run_workload(url: str | Sequence[str], w: Workload, label: str) -> dict[str, Any]:
+    """Round after round, every stream's next prompt, all in flight at once. ``url``:
+    one server, or several routers of one stack (round r, stream s: router
+    ``(r + s) % n``, so each request goes to another router than its previous one)."""
+    urls = [url] if isinstance(url, str) else list(url)
     rng = random.Random(w.seed)
     streams = [[rng.randrange(5, 2048) for _ in range(w.end)] for _ in range(w.streams)]
     rounds: list[list[dict[str, Any]]] = []
     inc_wall = 0.0
     handoffs: list[tuple[int, int] | None] = []  # decode's (read, not read) after round 1 and at the end
+    computed: list[dict[str, int] | None] = []  # each prefill instance's computed tokens, at the same times
     with concurrent.futures.ThreadPoolExecutor(w.streams) as pool:
         for r, n in enumerate(tqdm(w.lengths, desc="%s rounds" % label, unit="round")):
             t0 = time.perf_counter()
             prompts = [s[:n] for s in streams]
-            rounds.append(list(pool.map(lambda p: _one(url, p, w.max_tokens), prompts)))  # barrier
+            sent = [(urls[(r + i) % len(urls)], p) for i, p in enumerate(prompts)]
+            rounds.append(list(pool.map(lambda up: _one(up[0], up[1], w.max_tokens), sent)))  # barrier
             if r > 0:
                 inc_wall += time.perf_counter() - t0
             if r == 0 or r == len(w.lengths) - 1:
-                handoffs.append(handoff_counters(_client(), url))
+                handoffs.append(handoff_counters(_client(), urls[0]))
+                computed.append(prefill_computed(_client(), urls[0]))
     inc = [x for rnd in rounds[1:] for x in rnd]
     cached = statistics.fmean(x["cached_tokens"] for x in inc)
     recomputed = statistics.fmean(x["prompt_tokens"] - x["cached_tokens"] for x in inc)
@@ -193,6 +212,10 @@ def run_workload(url: str, w: Workload, label: str) -> dict[str, Any]:
         "ttft_p90_ms": ttfts[min(len(ttfts) - 1, int(0.9 * len(ttfts)))],
         "throughput_tokens_per_s": tokens / inc_wall if inc_wall else 0.0,
         "cold_ttft_p50_ms": statistics.median(x["ttft_s"] * 1e3 for x in rounds[0]),
+        "hit_rate": sum(x["cached_tokens"] for x in inc) / sum(x["prompt_tokens"] for x in inc),
+        "routers": len(urls),
+        # how the incremental rounds' prefill work spread over the instances (herding: max_share -> 1)
+        "prefill_load": load_spread(computed[0], computed[-1]),
     }
 
 
@@ -260,6 +283,11 @@ def run(
             checks["partial_eagle_caches_as_partial"] = (
                 results["partial_eagle"]["cached_tokens_per_request"] == results["partial"]["cached_tokens_per_request"]
             )
+    if "partial" in results and ROUTERS_VARIANT in results:
+        # 4 routers sharing the index hit as much as one (#30: within 2 %)
+        ratio = results[ROUTERS_VARIANT]["hit_rate"] / results["partial"]["hit_rate"]
+        checks["routers_hit_rate_ratio"] = ratio
+        checks["routers_hit_rate_ok"] = ratio >= 0.98
     if "partial" in results and "aligned" in results:
         checks["partial_caches_more_than_aligned"] = (
             results["partial"]["cached_tokens_per_request"] > results["aligned"]["cached_tokens_per_request"]

@@ -38,6 +38,7 @@ from bench.shared_prefix import (
     ideal_tokens,
     summarize,
 )
+from bench.stack_stats import load_spread, prefill_computed
 from bench.vllm_direct import vllm_venv
 
 
@@ -117,9 +118,10 @@ WARMUP = (
 
 
 def run_plan(
-    url: str, plan: Sequence[PlannedRequest], w: Workload, encode: ChatEncoder, native: bool
+    url: str | Sequence[str], plan: Sequence[PlannedRequest], w: Workload, encode: ChatEncoder, native: bool
 ) -> dict[str, Any]:
-    """Send ``plan`` to ``url`` one request at a time; ``encode`` gives the chat
+    """Send ``plan`` to ``url`` one request at a time (several routers of one stack:
+    request i to router ``i % n``, so consecutive requests never share one); ``encode`` gives the chat
     prompts' token ids (checked against ``usage.prompt_tokens``). ``native`` (our
     stack): read the state-bytes counter from ``/v1/hybridpd/stats`` after each
     phase, and record per request the tail checkpoint its prefill could leave
@@ -132,6 +134,8 @@ def run_plan(
 
     align = HybridPDConfig.model_fields["checkpoint_alignment"].default
 
+    urls = [url] if isinstance(url, str) else list(url)
+    url = urls[0]
     prompts = [encode(r.messages) if r.chat else list(r.tokens) for r in plan]
     ideals = ideal_tokens(prompts, w.unit)
     records: list[dict[str, Any]] = []
@@ -140,8 +144,9 @@ def run_plan(
         for warm in WARMUP:  # one-time costs out of the first TTFT; shares < 1 unit with the plan
             _send(client, url, warm, w.max_tokens)
         counter, before = _settled_counter(url) if native else (None, 0)
+        computed = prefill_computed(client, url)
         for i, r in enumerate(tqdm(plan, desc="requests", unit="req")):
-            res = _send(client, url, r, w.max_tokens)
+            res = _send(client, urls[i % len(urls)], r, w.max_tokens)
             u = res["usage"]
             records.append(
                 {
@@ -162,14 +167,22 @@ def run_plan(
             if counter is not None and (i + 1 == len(plan) or plan[i + 1].phase != r.phase):
                 after = _settled_counter(url)[1]
                 state_bytes[r.phase], before = after - before, after
+        load = load_spread(computed, prefill_computed(client, url))
+    cached, ideal = sum(x["cached_tokens"] for x in records), sum(x["ideal_tokens"] for x in records)
     return {
         "phases": summarize(records, state_bytes if counter else None),
+        "hit_ratio_all_phases": cached / ideal if ideal else float("nan"),
+        "routers": len(urls),
+        "prefill_load": load,
         "state_bytes_counter": counter,
         "prompt_tokens_match": all(x["prompt_tokens"] == x["reported_prompt_tokens"] for x in records),
         "requests": records,
     }
 
 
+#: ``branch-aware`` through 4 routers sharing the index and the actors (#30)
+ROUTERS_VARIANT = "branch-aware-4routers"
+ROUTERS = 4
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
 VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
@@ -198,6 +211,7 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
         "vllm-pd": [],
+        ROUTERS_VARIANT: [*common, "--checkpoint-policy", "branch-aware"],
         STACK_VLLM: ["--prefix-match-unit", str(w.unit), *STACK_VLLM_ARGS, *common[4:]],
     }
     if "checkpoint_placement" in HybridPDConfig.model_fields:  # #27: placement's own effect
@@ -278,6 +292,11 @@ def run(
                 got = _run_vllm(name, plan, w, Path(tmp))
             elif name == STACK_VLLM:
                 got = _run_stack_vllm(args, plan, w, Path(tmp))
+            elif name == ROUTERS_VARIANT:
+                from bench.routers import attached_routers
+
+                with StackProcess(Path(tmp), args) as st, attached_routers(st, ROUTERS, args, Path(tmp)) as urls:
+                    got = run_plan(urls, plan, w, native_chat_encoder(), native=True)
             else:
                 with StackProcess(Path(tmp), args) as st:
                     got = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
@@ -343,6 +362,11 @@ def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
     out: dict[str, Any] = {"prompt_tokens_match": {k: v["prompt_tokens_match"] for k, v in results.items()}}
     if "branch-aware" in results:
         out.update(_placement_checks(results, bound))
+    if "branch-aware" in results and ROUTERS_VARIANT in results:
+        # 4 routers sharing the index hit as much as one (#30: within 2 %)
+        ratio = results[ROUTERS_VARIANT]["hit_ratio_all_phases"] / results["branch-aware"]["hit_ratio_all_phases"]
+        out["routers_hit_ratio_ratio"] = ratio
+        out["routers_hit_ratio_ok"] = ratio >= 0.98
     for name, key in (("branch-aware", "branch_aware"), (STACK_VLLM, "stack_vllm")):
         if name in results:
             ratios = {p: x["hit_ratio"] for p, x in results[name]["phases"].items()}

@@ -16,3 +16,25 @@ def handoff_counters(client: httpx.Client, url: str) -> tuple[int, int] | None:
     decode = [s for name, s in resp.json().items() if name.startswith("decode")]
     read = sum(int(s.get("nixl_read_bytes", 0)) for s in decode)
     return read, sum(int(s.get("handoff_skipped_bytes", 0)) for s in decode)
+
+
+def prefill_computed(client: httpx.Client, url: str) -> dict[str, int] | None:
+    """Prompt tokens each prefill instance has computed (``prefill_computed_tokens``);
+    None where ``url`` is not our stack."""
+    resp = client.get(url + "/v1/hybridpd/stats", timeout=60)
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    return {n: int(s.get("prefill_computed_tokens", 0)) for n, s in resp.json().items() if n.startswith("prefill")}
+
+
+def load_spread(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float] | None:
+    """How the work between two ``prefill_computed`` readings spread over the prefill
+    instances: each one's share of the computed tokens, and ``max_share`` (1 / the
+    number of instances when even; 1.0 when one instance did everything: herding)."""
+    if before is None or after is None:
+        return None
+    delta = {n: after[n] - before.get(n, 0) for n in after}
+    total = sum(delta.values())
+    shares = {n: (d / total if total else 0.0) for n, d in sorted(delta.items())}
+    return {**{"share_" + n: v for n, v in shares.items()}, "max_share": max(shares.values(), default=0.0)}

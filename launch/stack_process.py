@@ -97,6 +97,24 @@ class StackProcess:
             time.sleep(0.5)
         return self
 
+    def attach_args(self) -> list[str]:
+        """``hybridpd up`` flags that start another router on this stack's Redis, store,
+        Ray cluster and actors (``worker_groups``: it attaches to the named actors,
+        never creates or closes them), as the Helm chart's router replicas attach.
+        The flags of a later ``--redis-cluster`` stay the caller's to add."""
+        return [
+            "--ray-address",
+            self.banner("Ray address"),
+            "--redis-url",
+            self.banner("Redis (prefix index)"),
+            "--mooncake-master",
+            self.banner("Mooncake master"),
+            "--mooncake-metadata-url",
+            self.banner("Mooncake metadata"),
+            "--actor-placement",
+            "worker_groups",
+        ]
+
     def banner(self, label: str) -> str:
         """The value ``hybridpd up`` printed after ``label`` (e.g. "Mooncake master")."""
         for line in self.log.read_text(errors="replace").splitlines():

@@ -1,3 +1,4 @@
+# Over 350 lines: the one client of the index schema (schema.py): entries of every kind and the lookup.
 """Client of the global prefix index (schema: ``schema.py``).
 
 Every Redis failure (refused, timed out, auth, a cluster shard down) surfaces

@@ -44,23 +44,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def second_router(plain: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A second router process on the first stack's Redis, store and actors."""
-    s = Stack(
-        Path(tmp_path_factory.mktemp("router2")),
-        [
-            "--max-model-len",
-            "16384",
-            "--ray-address",
-            plain.banner("Ray address"),
-            "--redis-url",
-            plain.banner("Redis (prefix index)"),
-            "--mooncake-master",
-            plain.banner("Mooncake master"),
-            "--mooncake-metadata-url",
-            plain.banner("Mooncake metadata"),
-            "--actor-placement",
-            "worker_groups",  # attach to the named actors (get_if_exists), never create or close them
-        ],
-    )
+    s = Stack(Path(tmp_path_factory.mktemp("router2")), ["--max-model-len", "16384", *plain.attach_args()])
     s.start()
     try:
         yield s
