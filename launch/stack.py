@@ -122,7 +122,10 @@ class LocalStack:
         if self.cfg.ray_address:
             ctx = ray.init(address=self.cfg.ray_address, logging_level=logging.WARNING)
         else:
+            # NOTE: address="local": always a new head; a bare ray.init() would join whatever cluster
+            # `ray start` last left on this machine (/tmp/ray/ray_current_cluster), even a dead one
             ctx = ray.init(
+                address="local",
                 include_dashboard=True,
                 dashboard_host="127.0.0.1",
                 dashboard_port=self.cfg.dashboard_port,

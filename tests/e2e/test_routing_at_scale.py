@@ -1,12 +1,12 @@
-"""Routing under concurrency and with two routers, on real stacks (``hybridpd up``).
+"""Routing under concurrency and with four routers, on real stacks (``hybridpd up``).
 
 * Many growing streams in flight at once: the recompute per incremental
   request stays within the growing-streams benchmark's own bound for
   ``partial`` (1.1x the ideal), however the prefills interleave.
-* Two router processes behind one Redis index and the same Ray actors (the
-  second is ``hybridpd up`` attached to the first's services, as the Helm
-  chart's router replicas attach): a workload that alternates between them
-  on every request reaches the same hit rate as one router.
+* Four router processes behind one Redis index and the same Ray actors (the
+  others are ``hybridpd up`` attached to the first's services, as the Helm
+  chart's router replicas attach): a workload that changes router on every
+  request reaches the same hit rate as one router.
 
 No timing assertions: only token counts the stack reports in ``usage``.
 """
@@ -42,14 +42,20 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def second_router(plain: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A second router process on the first stack's Redis, store and actors."""
-    s = Stack(Path(tmp_path_factory.mktemp("router2")), ["--max-model-len", "16384", *plain.attach_args()])
-    s.start()
+def more_routers(plain: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Stack]]:
+    """Three more router processes on the first stack's Redis, store and actors."""
+    started: list[Stack] = []
     try:
-        yield s
+        for i in range(3):
+            s = Stack(
+                Path(tmp_path_factory.mktemp("router%d" % (i + 2))), ["--max-model-len", "16384", *plain.attach_args()]
+            )
+            started.append(s)
+            s.start()
+        yield started
     finally:
-        s.stop()
+        for s in reversed(started):
+            s.stop()
 
 
 def _policy_floor(w: Workload) -> float:
@@ -100,12 +106,13 @@ def _hit_rate(reqs: list[dict]) -> float:
     return sum(x["cached_tokens"] for x in reqs) / sum(x["prompt_tokens"] for x in reqs)
 
 
-def test_two_routers_sharing_the_index_hit_as_much_as_one(plain: Stack, second_router: Stack) -> None:
+def test_four_routers_sharing_the_index_hit_as_much_as_one(plain: Stack, more_routers: list[Stack]) -> None:
     base = Workload(streams=6, start=700, step=160, end=1180, max_tokens=2)
     one = _alternating(plain, [plain.http], dataclasses.replace(base, seed=21))
-    two = _alternating(plain, [plain.http, second_router.http], dataclasses.replace(base, seed=22))
-    assert len(one) == len(two) == base.streams * (len(base.lengths) - 1)
-    rate_one, rate_two = _hit_rate(one), _hit_rate(two)
+    urls = [plain.http, *(s.http for s in more_routers)]
+    four = _alternating(plain, urls, dataclasses.replace(base, seed=22))
+    assert len(one) == len(four) == base.streams * (len(base.lengths) - 1)
+    rate_one, rate_four = _hit_rate(one), _hit_rate(four)
     # every request can hit the previous round's checkpoint (sent through the other router)
     ideal = _hit_rate(
         [
@@ -113,8 +120,8 @@ def test_two_routers_sharing_the_index_hit_as_much_as_one(plain: Stack, second_r
                 "prompt_tokens": x["prompt_tokens"],
                 "cached_tokens": checkpoint_position(x["prompt_tokens"] - base.step, base.unit, False),
             }
-            for x in two
+            for x in four
         ]
     )
     # same prompt lengths, fresh tokens each: the same hits when the index is shared
-    assert rate_one >= ideal - 0.005 and rate_two >= rate_one - 0.005, (ideal, rate_one, rate_two)
+    assert rate_one >= ideal - 0.005 and rate_four >= rate_one - 0.005, (ideal, rate_one, rate_four)

@@ -87,6 +87,14 @@ class TwoNodes:
                 pass
         psutil.wait_procs(doomed, timeout=10)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        # NOTE: a plain ray.init() (hybridpd up without --ray-address) joins the cluster this file
+        # names: one left behind by a killed cluster would make every later stack fail to start
+        for current in (Path("/tmp/ray/ray_current_cluster"), Path(self.temp_dir) / "ray_current_cluster"):
+            try:
+                if self.address.split(":")[1] in current.read_text():
+                    current.unlink()
+            except OSError:
+                pass
 
 
 @pytest.fixture(scope="module")
