@@ -219,3 +219,39 @@ def test_auth(tmp_path: Path) -> None:
             PrefixIndex("redis://127.0.0.1:%d/0" % srv.port, "m").lookup([], 1, 4, False)
     finally:
         srv.stop()
+
+
+_ev = st.one_of(
+    st.tuples(
+        st.sampled_from(["stored", "removed"]),
+        st.sampled_from(["kv", "state"]),
+        st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    ),
+    st.just(("cleared", "", [])),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(_ev, max_size=12))
+def test_apply_local_equals_applying_the_events_one_by_one(redis_server: RedisServer, batch: list) -> None:
+    """A batch's coalesced commands leave exactly the entries of its events applied in order,
+    and every set that exists has the entry TTL."""
+    from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
+
+    index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8], ttl_s=777)
+    hashes = HASHER.chain(list(range(40, 40 + 6 * UNIT)))
+    want: dict[str, set[BlockHash]] = {"kv": set(), "state": set()}
+    events = []
+    for kind, group, idx in batch:
+        if kind == "cleared":
+            events.append(CacheEvent(CacheEventKind.CLEARED, None))
+            want = {"kv": set(), "state": set()}
+            continue
+        hs = tuple(hashes[i] for i in idx)
+        events.append(CacheEvent(CacheEventKind(kind), CacheGroup(group), hs))
+        (want[group].update if kind == "stored" else want[group].difference_update)(hs)
+    index.apply_local("i", events)
+    assert index.local_entries("i") == (want["kv"], want["state"])
+    for key in (index.keys.local_kv("i"), index.keys.local_st("i")):
+        ttl = index.r.ttl(key)
+        assert ttl == -2 or 0 < ttl <= 777, ttl  # absent, or expiring like every entry
