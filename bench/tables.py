@@ -274,6 +274,8 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "vllm-client": ("vllm_client.json", _vllm_client),
     "vllm-client-pd-quick": ("vllm_client_pd_quick.json", _vllm_client),
     "router": ("router.json", _module_markdown("bench.router")),
+    "index-scale": ("index_scale.json", _module_markdown("bench.index_scale")),
+    "index-scale-quick": ("index_scale_quick.json", _module_markdown("bench.index_scale")),
     "hashing": ("hashing.json", _module_markdown("bench.hashing")),
     "engine": ("engine.json", _module_markdown("bench.engine")),
     "eagle-ab": ("eagle_ab.json", _module_markdown("bench.eagle_ab")),
@@ -286,7 +288,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 
 
 #: blocks whose module's ``markdown`` renders its checks itself (as a budget table)
-RENDER_OWN_CHECKS = frozenset({"router", "overhead"})
+RENDER_OWN_CHECKS = frozenset({"router", "overhead", "index-scale", "index-scale-quick"})
 
 
 def render_block(name: str, results: Path = RESULTS) -> str:
