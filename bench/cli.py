@@ -130,7 +130,16 @@ def bench_growing_streams(
     "variants",
     multiple=True,
     type=click.Choice(
-        ["tail-only", "branch-aware", "branch-aware-placement-off", "nocache", "stack-vllm", "vllm-direct", "vllm-pd"]
+        [
+            "tail-only",
+            "branch-aware",
+            "branch-aware-placement-off",
+            "branch-aware-4routers",
+            "nocache",
+            "stack-vllm",
+            "vllm-direct",
+            "vllm-pd",
+        ]
     ),
     help="Run only these variants and merge them into the same workload's results already in --json"
     " (stack-vllm, our stack on the vLLM engine, vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
@@ -149,7 +158,8 @@ def bench_shared_prefix(
     json_path: str | None, quick: bool, variants: tuple[str, ...], workload: tuple[str, ...], repeats: int
 ) -> None:
     """Fan-out, agent-tree, multi-turn and two-sharer prompts: cached tokens against the ideal, per checkpoint
-    policy (branch-aware-placement-off: branch-aware without checkpoint placement)."""
+    policy (branch-aware-placement-off: branch-aware without checkpoint placement; branch-aware-4routers:
+    branch-aware through 4 routers sharing the index and the actors)."""
     from pathlib import Path
 
     from bench import shared_prefix, shared_prefix_run
