@@ -89,7 +89,8 @@ def _echo_report(json_path: str, out: dict[str, Any]) -> None:
     "variants",
     multiple=True,
     help="Run only these variants (partial, aligned, nocache, roundrobin, partial_eagle, aligned_eagle,"
-    " vllm-direct, vllm-pd, vllm-partial) and merge them into the same workload's results already in --json."
+    " partial-4routers, vllm-direct, vllm-pd, vllm-partial) and merge them into the same workload's results"
+    " already in --json."
     " vllm-* need the vLLM environment (make bootstrap-vllm); vllm-pd is vLLM's own prefill/decode setup.",
 )
 @click.option(

@@ -157,7 +157,10 @@ class Dispatcher:
             lh = hits.local.get(force, 0)
             decision = RouteDecision(force, max(lh, hits.store), hits.store, lh, "forced")
         else:
-            decision = choose(len(req.prompt_token_ids), names, hits.local, hits.store, self.queued, hits.index_ok)
+            spread = bytes(hits.hashes[0]) if hits.hashes else req.request_id.encode()
+            decision = choose(
+                len(req.prompt_token_ids), names, hits.local, hits.store, self.queued, hits.index_ok, spread
+            )
         looked_up = hits.index_ok and hits.hashes is not None
         return Route(decision, hits.hashes, hits.known, looked_up)
 

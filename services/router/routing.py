@@ -42,6 +42,7 @@ of it yet. Two mechanisms:
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import threading
 import time
@@ -84,16 +85,29 @@ def choose(
     store_hit: int,
     queued: Mapping[str, float],
     index_ok: bool = True,
+    spread: bytes = b"",
 ) -> RouteDecision:
-    """The lowest-cost instance; ``queued`` maps instance -> queued work (:func:`dispatch_work`)."""
+    """The lowest-cost instance; ``queued`` maps instance -> queued work (:func:`dispatch_work`).
+
+    Ties (equal cost and queue) go by rendezvous hashing of ``spread`` (the router
+    passes the prompt's first chain hash) with each name: routers that share the
+    instances but not their queues (each knows only its own prefills in flight)
+    then spread cold prompts over the instances the same way instead of all
+    picking the first name, and prompts that start alike still meet on one
+    instance. Without ``spread``, ties go by name."""
     if not instances:
         raise ValueError("no prefill instances")
 
-    def cost(name: str) -> tuple[float, float, str]:
+    def tiebreak(name: str) -> bytes:
+        if not spread:
+            return name.encode()
+        return hashlib.blake2b(spread + name.encode(), digest_size=8).digest()
+
+    def cost(name: str) -> tuple[float, float, bytes, str]:
         local = local_hits.get(name, 0)
         hit = max(local, store_hit)
         c = (num_tokens - hit) + STORE_LOAD_COST * max(store_hit - local, 0) + queued.get(name, 0)
-        return (c, queued.get(name, 0), name)
+        return (c, queued.get(name, 0), tiebreak(name), name)
 
     best = min(instances, key=cost)
     local = local_hits.get(best, 0)

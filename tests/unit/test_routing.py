@@ -220,3 +220,20 @@ def test_the_next_turn_goes_to_the_decode_holder_unless_it_is_overloaded() -> No
     assert choose_decode(["d0"], {"d0": 3}, {"d0": 9}, 0, 0) == ("d0", "affinity")  # nowhere else to go
     with pytest.raises(ValueError):
         choose_decode([], {}, {}, 4, 0)
+
+
+def test_ties_spread_by_the_prompt_not_by_name() -> None:
+    """Routers that know only their own queues: cold prompts spread over the instances
+    (rendezvous hashing of the first chain hash), the same prompt start always to the
+    same instance, and without a spread key the first name, as before."""
+    names = ["prefill-%d" % i for i in range(4)]
+    picks = [choose(100, names, {}, 0, {}, spread=b"prompt-%d" % k).instance for k in range(200)]
+    counts = {n: picks.count(n) for n in names}
+    assert all(30 <= c <= 70 for c in counts.values()), counts
+    assert {choose(100, names, {}, 0, {}, spread=b"same").instance for _ in range(5)} == {
+        choose(100, list(reversed(names)), {}, 0, {}, spread=b"same").instance
+    }
+    assert choose(100, names, {}, 0, {}).instance == "prefill-0"
+    # cost and queue still come first: a hit or a shorter queue wins over the hash
+    assert choose(100, names, {"prefill-3": 64}, 0, {}, spread=b"x").instance == "prefill-3"
+    assert choose(100, names, {}, 0, {n: 10.0 for n in names[1:]}, spread=b"x").instance == "prefill-0"
