@@ -250,11 +250,20 @@ class HybridPDConfig(BaseModel):
             raise ConfigError("mooncake_metadata_url", "must be an http(s) URL, got %r" % self.mooncake_metadata_url)
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("redis_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_url)
+        for name in ("prefill_resource", "decode_resource"):
+            if getattr(self, name) in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ConfigError(name, "must be a custom resource, not Ray's built-in %r" % getattr(self, name))
+        if self.prefill_resource == self.decode_resource:
+            raise ConfigError("decode_resource", "must differ from prefill_resource (%r)" % self.prefill_resource)
         if self.redis_cluster and self.redis_url is None:
             raise ConfigError(
                 "redis_cluster", "needs redis_url (a node of the cluster); the local stack starts one Redis"
             )
-        if self.redis_cluster and self.redis_url is not None and not re.search(r"://[^/]*(/0?)?$", self.redis_url):
+        if (
+            self.redis_cluster
+            and self.redis_url is not None
+            and not re.search(r"^[a-z]+://[^/?]*(/0?)?(\?.*)?$", self.redis_url)
+        ):
             raise ConfigError(
                 "redis_cluster", "a Redis Cluster has database 0 only: end redis_url with /0 or no database"
             )

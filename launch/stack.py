@@ -83,18 +83,21 @@ class LocalStack:
 
     def _start_redis(self) -> None:
         if self.cfg.redis_url:
-            probe = PrefixIndex(self.cfg.redis_url, "probe", cluster=self.cfg.redis_cluster)
-            probe.ping()  # fail fast with a clear error
-            if probe.server_is_cluster() != self.cfg.redis_cluster:
+            probe = PrefixIndex(self.cfg.redis_url, "probe")
+            version, is_cluster = probe.server_info()  # fail fast with a clear error
+            if is_cluster is not None and is_cluster != self.cfg.redis_cluster:
                 raise ConfigError(
                     "redis_cluster",
                     "the Redis at redis_url %s in cluster mode: %s"
                     % (
                         ("runs", "set redis_cluster (--redis-cluster)")
-                        if not self.cfg.redis_cluster
+                        if is_cluster
                         else ("does not run", "unset redis_cluster or point at a cluster node")
                     ),
                 )
+            if version and tuple(int(x) for x in version.split(".")[:2] if x.isdigit()) < (6, 2):
+                raise UnavailableError("the index needs Redis 6.2 or newer (SMISMEMBER); redis_url runs %s" % version)
+            PrefixIndex(self.cfg.redis_url, "probe", cluster=self.cfg.redis_cluster).ping()
             self.urls.redis_url = self.cfg.redis_url
             return
         self.redis = RedisServer(self.workdir)

@@ -13,6 +13,7 @@ shard that owns it; a lost shard means misses for its models until it is back.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -99,37 +100,51 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
         self.cluster = cluster
-        self.r: Any
-        if cluster:
-            # NOTE: few retries: a shard that is down must turn into a miss within the timeout, not a stall
-            self.r = redis.RedisCluster.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                require_full_coverage=False,
-                retry=Retry(NoBackoff(), 1),
-            )
-        else:
-            self.r = redis.Redis.from_url(
+        self._url, self._timeout_s = url, timeout_s
+        self._r: Any = None
+        if not cluster:  # a plain client connects lazily by itself
+            self._r = redis.Redis.from_url(
                 url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
             )
-        script = resources.files("hybridpd.index").joinpath("lookup.lua").read_text()
-        self._lookup = self.r.register_script(script)
+        self._script = resources.files("hybridpd.index").joinpath("lookup.lua").read_text()
+        self._sha = hashlib.sha1(self._script.encode()).hexdigest()
         self._instances_key = self.keys.instances.encode()
         self._stale_slots = False
         self._next_refresh = 0.0
+
+    @property
+    def r(self) -> Any:
+        """The redis-py client. A cluster client is made on first use (it reads the slot
+        map when made): call it inside ``_mapped`` so a cluster that cannot be reached
+        is an ``UnavailableError`` there, not in a constructor."""
+        if self._r is None:
+            # NOTE: few retries: a shard that is down must turn into a miss within the timeout, not a stall
+            self._r = redis.RedisCluster.from_url(
+                self._url,
+                socket_timeout=self._timeout_s,
+                socket_connect_timeout=self._timeout_s,
+                require_full_coverage=False,
+                retry=Retry(NoBackoff(), 1),
+            )
+        return self._r
 
     def ping(self) -> bool:
         with _mapped():
             return bool(self.r.ping())
 
-    def server_is_cluster(self) -> bool:
-        """Whether the server (the node of ``url``) runs in cluster mode (``INFO cluster``)."""
-        with _mapped():
-            info = self.r.info("cluster")
-        if self.cluster:  # a dict per node
-            return all(bool(v.get("cluster_enabled")) for v in info.values() if isinstance(v, dict))
-        return bool(info.get("cluster_enabled"))
+    def server_info(self) -> tuple[str, bool | None]:
+        """The server's Redis version and whether it runs in cluster mode (None where
+        the user may not run ``INFO``), from the node ``url`` names."""
+        node = redis.Redis.from_url(self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s)
+        try:
+            with _mapped():
+                info = node.info()
+            return str(info.get("redis_version", "")), bool(info.get("cluster_enabled"))
+        except redis.ResponseError as exc:  # NOPERM: INFO is in ACL @dangerous
+            logger.warning("cannot read INFO from the index's Redis (%s): mode and version unchecked", exc)
+            return "", None
+        finally:
+            node.close()
 
     # -- store entries ---------------------------------------------------------------
     def publish_store(self, block_hashes: Sequence[BlockHash], state_hash: BlockHash | None, position: int) -> None:
@@ -202,15 +217,16 @@ class PrefixIndex:
                     if ev.kind is CacheEventKind.CLEARED or not ev.hashes:
                         continue
                     keys = [self.keys.kv(h) if ev.group is CacheGroup.KV else self.keys.st(h) for h in ev.hashes]
-                    if ev.kind is CacheEventKind.STORED:
-                        for k in keys:
+                    for k in keys:  # NOTE: one key per DEL: a cluster pipeline refuses several
+                        if ev.kind is CacheEventKind.STORED:
                             pipe.set(k, 1, ex=self.ttl_s)
-                    else:
-                        pipe.delete(*keys)
+                        else:
+                            pipe.delete(k)
                     continue
                 if ev.kind is CacheEventKind.CLEARED:
                     runs.clear()  # what the batch did to the sets before is moot
-                    pipe.delete(self.keys.local_kv(instance), self.keys.local_st(instance))
+                    pipe.delete(self.keys.local_kv(instance))
+                    pipe.delete(self.keys.local_st(instance))
                     continue
                 if not ev.hashes:
                     continue
@@ -295,7 +311,7 @@ class PrefixIndex:
         key = self._instances_key
         return b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n$%d\r\n%s\r\n" % (
             argc + 4,
-            self._lookup.sha.encode(),
+            self._sha.encode(),
             len(key),
             key,
         )
@@ -313,30 +329,50 @@ class PrefixIndex:
         return self.r.get_redis_connection(node).connection_pool
 
     def _evalsha(self, argc: int, packed: bytes) -> Any:
-        """EVALSHA of the lookup script with ``argc`` pre-packed arguments (loads it on
-        NOSCRIPT; on a cluster, follows one MOVED/ASK by re-reading the slot map)."""
-        for attempt in range(2):
+        """EVALSHA of the lookup script with ``argc`` pre-packed arguments. NOSCRIPT: the
+        script is loaded on that server and sent again; on a cluster, MOVED/ASK: the
+        slot map is re-read and it is sent again (at most 3 sends; then, or when the
+        script still is not there, ``UnavailableError``)."""
+        for _ in range(3):
             pool = self._pool()
-            conn = pool.get_connection()
+            conn = None
             try:
+                conn = pool.get_connection()  # connects: a lost node fails here
                 conn.send_packed_command([self._script_head(argc), packed])
                 return conn.read_response()
             except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                self._lookup.sha = self.r.script_load(self._lookup.script)
+                self._load_script(pool)
             except (redis.exceptions.MovedError, redis.exceptions.AskError):
-                if attempt or not self.cluster:
+                if not self.cluster:
                     raise
                 self.r.nodes_manager.initialize()
             except BaseException as exc:
-                conn.disconnect()  # a half-read reply must not reach the next caller
-                if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
+                if conn is not None:
+                    conn.disconnect()  # a half-read reply must not reach the next caller
+                if self.cluster and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
                     self._stale_slots = True  # a failover may have moved the slot: re-read the map
                 raise
             finally:
-                pool.release(conn)
-        raise AssertionError("unreachable")
+                if conn is not None:
+                    pool.release(conn)
+        raise UnavailableError("prefix index (Redis): the lookup script did not run after 3 tries")
+
+    def _load_script(self, pool: Any) -> None:
+        """SCRIPT LOAD on the server of ``pool`` only (a cluster's other shards may be down)."""
+        conn = pool.get_connection()
+        try:
+            conn.send_command("SCRIPT", "LOAD", self._script)
+            sha = conn.read_response()
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+        sha = sha.decode() if isinstance(sha, bytes) else str(sha)
+        if sha != self._sha:
+            raise UnavailableError(
+                "prefix index (Redis) loaded the lookup script as %s, expected %s" % (sha, self._sha)
+            )
 
     # -- checkpoint reuse (eviction by value: hybridpd/checkpoint_value.py) --------------------
     def record_state_hits(self, hits: Sequence[tuple[BlockHash, float]]) -> None:

@@ -25,10 +25,10 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def cluster_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, LocalRedisCluster]]:
     cluster = LocalRedisCluster(Path(tmp_path_factory.mktemp("cluster")), masters=3)
-    cluster.start()
-    args = ["--redis-url", cluster.url, "--redis-cluster", "--checkpoint-placement", "off"]
-    s = Stack(Path(tmp_path_factory.mktemp("cstack")), args)
+    s = Stack(Path(tmp_path_factory.mktemp("cstack")), [])
     try:
+        cluster.start()
+        s.extra_args = ["--redis-url", cluster.url, "--redis-cluster", "--checkpoint-placement", "off"]
         s.start()
         yield s, cluster
     finally:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -72,11 +73,11 @@ class TwoNodes:
 
     def stop(self) -> None:
         """Kill this cluster's processes only (``ray stop`` would end every Ray on the machine)."""
-        marks = (self.temp_dir, ":%d" % self.port)
+        mark = re.compile(r"%s|[:=]%d(?!\d)" % (re.escape(self.temp_dir), self.port))
         doomed: list[psutil.Process] = []
         for p in psutil.process_iter(["cmdline"]):
             try:
-                if any(m in " ".join(p.info["cmdline"] or []) for m in marks):
+                if mark.search(" ".join(p.info["cmdline"] or [])):
                     doomed += [p, *p.children(recursive=True)]
             except psutil.Error:
                 continue
@@ -91,7 +92,7 @@ class TwoNodes:
         # names: one left behind by a killed cluster would make every later stack fail to start
         for current in (Path("/tmp/ray/ray_current_cluster"), Path(self.temp_dir) / "ray_current_cluster"):
             try:
-                if self.address.split(":")[1] in current.read_text():
+                if current.read_text().strip().endswith(":%d" % self.port):
                     current.unlink()
             except OSError:
                 pass

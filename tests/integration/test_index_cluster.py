@@ -35,8 +35,8 @@ CHAIN = HASHER.chain(list(range(500, 500 + 120 * UNIT)))  # 120 blocks: several 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
     c = LocalRedisCluster(Path(tmp_path_factory.mktemp("cluster")), masters=3)
-    c.start()
     try:
+        c.start()
         yield c
     finally:
         c.stop()
@@ -157,15 +157,15 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
 
     thread = threading.Thread(target=traffic, daemon=True)
     thread.start()
+    restarted = False
     try:
         wait_until(lambda: counts["ok"] >= 10, 20, 0.05, "traffic on both models before the kill")
         cluster.stop_master(home)
-        t_down = time.monotonic()
         wait_until(lambda: counts["unavailable"] >= 20, 20, 0.05, "lookups of the killed shard's model failing")
-        down_for = time.monotonic() - t_down
         before = counts["bystander_ok"]
         wait_until(lambda: counts["bystander_ok"] >= before + 20, 20, 0.05, "the bystander served while down")
         cluster.start_master(home)
+        restarted = True
         wait_until(
             lambda: victim.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False).instance_hits.get("prefill-0") == 0,
             20,
@@ -176,10 +176,80 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
     finally:
         stop.set()
         thread.join(10)
+        if not restarted:
+            cluster.start_master(home)  # the module's other tests need all three
     assert not over, over[:3]
-    assert counts["bystander_failed"] == 0 and down_for < 20
+    assert counts["bystander_failed"] == 0, counts
     # the index recovers: what the instance publishes again is found again, exactly
     victim.publish_store(CHAIN[:60], CHAIN[49], 50 * UNIT)
     victim.publish_local("prefill-0", CHAIN[:90], [CHAIN[79]])
     victim.heartbeat("prefill-0", InstanceLoad())
     assert victim.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False) == expected[victim.keys.prefix]
+
+
+_ev = st.one_of(
+    st.tuples(
+        st.sampled_from(["stored", "removed"]),
+        st.sampled_from(["kv", "state"]),
+        st.booleans(),
+        st.lists(st.integers(0, 5), min_size=1, max_size=3),
+    ),
+    st.just(("cleared", "", False, [])),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(_ev, max_size=12))
+def test_apply_local_on_the_cluster_equals_single_redis(
+    cluster: LocalRedisCluster, redis_server: RedisServer, batch: list
+) -> None:
+    """A batch of cache events (stored, removed, cleared; local and store) leaves the same
+    entries on the cluster as on one Redis: its commands (one key per DEL in a
+    pipeline) all run on the model's shard."""
+    from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
+
+    model = "m-" + uuid.uuid4().hex[:8]
+    on_cluster = PrefixIndex(cluster.url, model, cluster=True)
+    single = PrefixIndex(redis_server.url, model)
+    events = [
+        CacheEvent(CacheEventKind.CLEARED, None)
+        if kind == "cleared"
+        else CacheEvent(CacheEventKind(kind), CacheGroup(group), tuple(CHAIN[i] for i in idx), store)
+        for kind, group, store, idx in batch
+    ]
+    for index in (on_cluster, single):
+        index.publish_local("i", CHAIN[:3], [CHAIN[2]])  # entries before the batch
+        index.publish_store(CHAIN[:2], CHAIN[1], 2 * UNIT)
+        index.apply_local("i", events)
+        index.heartbeat("i", InstanceLoad())
+    assert on_cluster.local_entries("i") == single.local_entries("i")
+    got = on_cluster.lookup(CHAIN[:8], 8 * UNIT + 1, UNIT, False)
+    assert got == single.lookup(CHAIN[:8], 8 * UNIT + 1, UNIT, False)
+    on_cluster.clear_local("i")
+    assert on_cluster.local_entries("i") == (set(), set())
+
+
+def test_the_lookup_reloads_its_script_on_the_slots_node(cluster: LocalRedisCluster) -> None:
+    """After SCRIPT FLUSH on the model's shard the next lookup loads the script there and answers."""
+    index = PrefixIndex(cluster.url, "flush-" + uuid.uuid4().hex[:6], cluster=True)
+    index.publish_local("prefill-0", CHAIN[:10], [CHAIN[9]])
+    index.heartbeat("prefill-0", InstanceLoad())
+    assert index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False).instance_hits == {"prefill-0": 10 * UNIT}
+    home = cluster.nodes[cluster.master_of(index.keys.instances)]
+    PrefixIndex(home.url, "probe").r.script_flush()
+    assert index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False).instance_hits == {"prefill-0": 10 * UNIT}
+
+
+def test_the_stack_refuses_a_cluster_mode_mismatch(
+    cluster: LocalRedisCluster, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """--redis-url at a cluster node without --redis-cluster (and the reverse) is a ConfigError at start."""
+    from hybridpd.config import load_config
+    from hybridpd.errors import ConfigError
+    from launch.stack import LocalStack
+
+    for url, flag, words in ((cluster.url, False, "runs in cluster mode"), (redis_server.url, True, "does not run")):
+        cfg = load_config(env={}, overrides={"redis_url": url, "redis_cluster": flag})
+        stack = LocalStack(cfg, tmp_path)
+        with pytest.raises(ConfigError, match=words):
+            stack._start_redis()

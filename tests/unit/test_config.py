@@ -49,6 +49,9 @@ def test_roundtrip_yaml(tmp_path: Path) -> None:
         ({"redis_url": "http://x"}, "redis_url", "redis://"),
         ({"redis_cluster": True}, "redis_cluster", "needs redis_url"),
         ({"redis_cluster": True, "redis_url": "redis://h:1/2"}, "redis_cluster", "database 0 only"),
+        ({"redis_cluster": True, "redis_url": "rediss://h:1/3?ssl_cert_reqs=required"}, "redis_cluster", "database 0"),
+        ({"prefill_resource": "CPU"}, "prefill_resource", "custom resource"),
+        ({"decode_resource": "hybridpd_prefill"}, "decode_resource", "must differ"),
         ({"checkpoint_alignment": -4}, "checkpoint_alignment", "or null"),
     ],
 )
