@@ -174,6 +174,16 @@ class HybridPDConfig(BaseModel):
         False,
         description="redis_url names a node of a Redis Cluster (>= 6.2); a model's index keys share one hash slot.",
     )
+    redis_read_replicas: bool = Field(
+        False,
+        description="The router's lookups read a replica (stale by the replication lag; one whose link to its"
+        " primary is down, or that fails, is skipped for the primary): on a Redis Cluster the replicas of the"
+        " model's shard, else redis_replica_url. Writes always go to the primary.",
+    )
+    redis_replica_url: str | None = Field(
+        None,
+        description="A replica of redis_url (one Redis, not a cluster) that lookups read with redis_read_replicas.",
+    )
     mooncake_master: str | None = Field(None, description="Mooncake master host:port (its RPC port).")
     mooncake_metadata_url: str | None = Field(
         None, description="Mooncake HTTP metadata URL; default http://<master host>:8080/metadata."
@@ -255,6 +265,26 @@ class HybridPDConfig(BaseModel):
                 raise ConfigError(name, "must be a custom resource, not Ray's built-in %r" % getattr(self, name))
         if self.prefill_resource == self.decode_resource:
             raise ConfigError("decode_resource", "must differ from prefill_resource (%r)" % self.prefill_resource)
+        if self.redis_replica_url is not None and not self.redis_replica_url.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ConfigError(
+                "redis_replica_url", "must start with redis://, rediss:// or unix://, got %r" % self.redis_replica_url
+            )
+        if self.redis_read_replicas and self.redis_url is None:
+            raise ConfigError(
+                "redis_read_replicas", "needs redis_url (a Redis with replicas); the local stack starts one Redis"
+            )
+        if self.redis_read_replicas and not self.redis_cluster and self.redis_replica_url is None:
+            raise ConfigError(
+                "redis_read_replicas", "needs redis_replica_url, or redis_cluster (a cluster names its replicas)"
+            )
+        if self.redis_replica_url is not None and self.redis_cluster:
+            raise ConfigError(
+                "redis_replica_url", "a Redis Cluster names its replicas itself: unset it, keep redis_read_replicas"
+            )
+        if self.redis_replica_url is not None and not self.redis_read_replicas:
+            raise ConfigError("redis_replica_url", "is read only with redis_read_replicas: set that too")
         if self.redis_cluster and self.redis_url is None:
             raise ConfigError(
                 "redis_cluster", "needs redis_url (a node of the cluster); the local stack starts one Redis"

@@ -257,7 +257,13 @@ class LocalStack:
         from services.router.orchestrator import Orchestrator
 
         index = (
-            PrefixIndex(self.urls.redis_url, self.model_id, cluster=self.cfg.redis_cluster)
+            PrefixIndex(
+                self.urls.redis_url,
+                self.model_id,
+                cluster=self.cfg.redis_cluster,
+                read_replicas=self.cfg.redis_read_replicas,
+                replica_url=self.cfg.redis_replica_url,
+            )
             if self.urls.redis_url
             else None
         )

@@ -8,6 +8,8 @@
 -- Returns {store_hit, known, inst_1, hit_1, inst_2, hit_2, ...} (tokens): the usable hits and
 -- ``known``, the longest leading run of the chain's KV blocks any group (store or live
 -- instance) holds, before the EAGLE drop: where the prompt leaves every known prefix (a junction).
+-- An instance in the set whose heartbeat expired comes with hit -1: the caller removes it
+-- from the set on the primary. The script never writes, so a replica can run it.
 --
 -- Cost: per group, the leading run of KV blocks is read in chunks of ~30
 -- hashes and stops at the first absent one (a miss costs one chunk, not the
@@ -174,7 +176,8 @@ for _, inst in ipairs(instances) do
     table.insert(result, inst)
     table.insert(result, h)
   else
-    redis.call("SREM", prefix .. "instances", inst)
+    table.insert(result, inst)
+    table.insert(result, -1) -- dead: no heartbeat
   end
 end
 result[2] = known * unit

@@ -8,7 +8,20 @@ back (and re-loads the Lua script after a restart).
 
 ``cluster=True``: ``url`` names any node of a Redis Cluster. All of a model's
 keys share one hash slot (schema.py), so every call here is answered by the
-shard that owns it; a lost shard means misses for its models until it is back.
+shard that owns it; a lost shard means misses for its models until it is back
+(or until the cluster promotes one of its replicas).
+
+``read_replicas=True``: lookups (the router's one read per request) go to a
+replica: on a cluster one of the slot's replicas (round robin), else
+``replica_url``. A replica answers as its primary did a replication lag ago
+(stale by that step: the router's ``RecentPrefills`` covers its own newest
+prefills, and a promise broken by a removal not yet replicated is a recompute,
+counted, never wrong tokens). A replica is read only while its link to the
+primary is up (``INFO replication``, checked at most once a second): one cut
+off from its primary has no bound on how stale it is. A replica that fails a
+call is skipped until its next check and that call goes to the primary.
+Every write, and the removal of dead instances the lookup reports, goes to the
+primary.
 """
 
 from __future__ import annotations
@@ -16,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,7 +39,10 @@ from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import REPLICA
+from redis.connection import parse_url
 from redis.retry import Retry
+from redis.utils import str_if_bytes
 
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
 from hybridpd.errors import UnavailableError
@@ -55,6 +72,8 @@ class LookupResult:
     store_hit: int
     instance_hits: Mapping[str, int] = field(default_factory=dict)
     known: int = 0
+    #: which server answered: "primary" or "replica" (not part of the answer's value)
+    source: str = field(default="primary", compare=False)
 
 
 #: Redis errors of a server that will answer again (a failover, a restart loading its data)
@@ -85,6 +104,72 @@ def _mapped() -> Iterator[None]:
         raise
 
 
+#: how often a read replica's link to its primary is checked (seconds)
+LINK_CHECK_S = 1.0
+#: while a cluster slot has no usable replica, its replicas are looked for again this often (seconds)
+REPLICA_DISCOVERY_S = 5.0
+
+#: removes the instances a lookup reported dead, each only if its heartbeat is still absent
+#: (KEYS[1] the instances set; ARGV: heartbeat key, instance name, ...)
+_REAP = """
+for i = 1, #ARGV, 2 do
+  if redis.call("EXISTS", ARGV[i]) == 0 then redis.call("SREM", KEYS[1], ARGV[i + 1]) end
+end
+"""
+
+
+def _readonly(conn: Any) -> None:
+    """Connect callback of a cluster replica's connections: READONLY, so it answers for its master's slots."""
+    conn.on_connect()
+    conn.send_command("READONLY")
+    if str_if_bytes(conn.read_response()) != "OK":
+        raise redis.ConnectionError("the replica refused READONLY")
+
+
+@dataclass(slots=True)
+class _Replica:
+    """A replica lookups may read while its link to the primary is up (checked at most every ``LINK_CHECK_S``)."""
+
+    name: str
+    pool: Any
+    ok: bool = False
+    next_check: float = 0.0
+
+    def usable(self) -> bool:
+        now = time.monotonic()
+        if now >= self.next_check:
+            self.next_check = now + LINK_CHECK_S
+            up, why = _link_up(self.pool)
+            if up and not self.ok:
+                logger.info("index replica %s: reading it", self.name)
+            elif self.ok and not up:
+                logger.warning("index replica %s: skipped (%s)", self.name, why)
+            self.ok = up
+        return self.ok
+
+    def failed(self, exc: BaseException) -> None:
+        if self.ok:
+            logger.warning("index replica %s skipped until %.0f s from now: %s", self.name, LINK_CHECK_S, exc)
+        self.ok, self.next_check = False, time.monotonic() + LINK_CHECK_S
+
+
+def _link_up(pool: Any) -> tuple[bool, str]:
+    """Whether the server of ``pool`` is a replica whose link to its primary is up (and why not)."""
+    try:
+        info = redis.Redis(connection_pool=pool).info("replication")
+    except redis.ResponseError as exc:
+        if "NOPERM" in str(exc):  # INFO is in ACL @dangerous: trust the operator's replica
+            return True, ""
+        return False, str(exc)
+    except redis.RedisError as exc:
+        return False, str(exc)
+    if info.get("role") != "slave":
+        return False, "role %s, not a replica" % info.get("role")
+    if info.get("master_link_status") != "up":
+        return False, "its link to the primary is %s" % info.get("master_link_status")
+    return True, ""
+
+
 class PrefixIndex:
     def __init__(
         self,
@@ -95,7 +180,11 @@ class PrefixIndex:
         heartbeat_ttl_s: float = 10.0,
         timeout_s: float = 0.5,
         cluster: bool = False,
+        read_replicas: bool = False,
+        replica_url: str | None = None,
     ) -> None:
+        if read_replicas and not cluster and not replica_url:
+            raise ValueError("read_replicas without a cluster needs replica_url")
         self.keys = IndexKeys(model_id)
         self.ttl_s = ttl_s
         self.heartbeat_ttl_ms = int(heartbeat_ttl_s * 1000)
@@ -111,6 +200,13 @@ class PrefixIndex:
         self._instances_key = self.keys.instances.encode()
         self._stale_slots = False
         self._next_refresh = 0.0
+        self.read_replicas = read_replicas
+        self._replica_url = replica_url
+        self._replicas: dict[str, _Replica] = {}
+        self._replicas_lock = threading.Lock()
+        self._turn = 0  # round robin over a slot's replicas
+        self._next_reap = 0.0
+        self._next_discovery = time.monotonic() + REPLICA_DISCOVERY_S
 
     @property
     def r(self) -> Any:
@@ -299,11 +395,29 @@ class PrefixIndex:
 
     # -- the lookup ------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
-        """One EVALSHA: the store hit, each live instance's local hit and how far the chain is known."""
+        """One EVALSHA: the store hit, each live instance's local hit and how far the chain is known
+        (on a replica with ``read_replicas``; dead instances it reports are then removed on the primary)."""
         packed = _pack_lookup(self.keys, block_hashes, num_tokens, unit, eagle)
         with _mapped():
-            res = self._evalsha(LOOKUP_ARGC, packed)
-        return _result(res)
+            res, source = self._evalsha(LOOKUP_ARGC, packed)
+        hits, dead = _result(res)
+        if dead:
+            self._reap(dead)
+        return LookupResult(hits.store_hit, hits.instance_hits, hits.known, source)
+
+    def _reap(self, dead: Sequence[str]) -> None:
+        """Remove instances without a heartbeat from the set, on the primary, at most once a
+        second (a failure is left to the next lookup that finds them)."""
+        now = time.monotonic()
+        if now < self._next_reap:
+            return
+        self._next_reap = now + 1.0
+        args = [a for n in dead for a in (self.keys.heartbeat(n), n)]
+        try:
+            with _mapped():
+                self.r.eval(_REAP, 1, self._instances_key, *args)
+        except (UnavailableError, redis.RedisError) as exc:
+            logger.debug("dead instances %s not removed now: %s", dead, exc)
 
     def _script_head(self, argc: int) -> bytes:
         """EVALSHA, the script, one declared key (the model's ``instances`` set: it names
@@ -317,38 +431,93 @@ class PrefixIndex:
         )
 
     def _pool(self) -> Any:
-        """The connection pool of the server that answers for this model's slot (on a
+        """The connection pool of the primary that answers for this model's slot (on a
         cluster, the slot map is re-read at most once a second after a connection error)."""
         if not self.cluster:
             return self.r.connection_pool
+        self._refresh_slots()
+        node = self.r.get_node_from_key(self._instances_key)
+        return self.r.get_redis_connection(node).connection_pool
+
+    def _refresh_slots(self) -> None:
         if self._stale_slots and time.monotonic() >= self._next_refresh:
             self._next_refresh = time.monotonic() + 1.0
             self.r.nodes_manager.initialize()
             self._stale_slots = False
-        node = self.r.get_node_from_key(self._instances_key)
-        return self.r.get_redis_connection(node).connection_pool
 
-    def _evalsha(self, argc: int, packed: bytes) -> Any:
-        """EVALSHA of the lookup script with ``argc`` pre-packed arguments. NOSCRIPT: the
-        script is loaded on that server and sent again; on a cluster, MOVED/ASK: the
-        slot map is re-read and it is sent again (at most 3 sends; then, or when the
+    def _replica(self) -> _Replica | None:
+        """A replica to read now (None: read the primary): ``replica_url``, or on a
+        cluster the first usable one of the slot's replicas, in turn (while there is
+        none, the slot map is re-read every ``REPLICA_DISCOVERY_S``)."""
+        if not self.read_replicas:
+            return None
+        if not self.cluster:
+            assert self._replica_url is not None
+            addrs: list[tuple[str, int] | None] = [None]
+        else:
+            self._refresh_slots()
+            slot = self.r.keyslot(self._instances_key)
+            nodes = self.r.nodes_manager.slots_cache.get(slot) or []
+            addrs = [(n.host, n.port) for n in nodes if n.server_type == REPLICA]
+        self._turn += 1
+        for k in range(len(addrs)):
+            rep = self._replica_at(addrs[(self._turn + k) % len(addrs)])
+            if rep.usable():
+                return rep
+        if self.cluster and time.monotonic() >= self._next_discovery:  # a replica added or back since
+            self._next_discovery = time.monotonic() + REPLICA_DISCOVERY_S
+            self._stale_slots = True
+        return None
+
+    def _replica_at(self, addr: tuple[str, int] | None) -> _Replica:
+        """The (lazily made) replica at ``addr`` (None: ``replica_url``): a cluster node gets the
+        credentials and TLS of ``url`` and connections that say READONLY."""
+        name = self._replica_url if addr is None else "%s:%d" % addr
+        assert name is not None
+        with self._replicas_lock:
+            rep = self._replicas.get(name)
+            if rep is None:
+                timeouts: dict[str, Any] = {
+                    "socket_timeout": self._timeout_s,
+                    "socket_connect_timeout": self._timeout_s,
+                }
+                if addr is None:
+                    pool = redis.ConnectionPool.from_url(name, **timeouts)
+                else:
+                    opts = {**parse_url(self._url), "host": addr[0], "port": addr[1], **timeouts}
+                    pool = redis.ConnectionPool(redis_connect_func=_readonly, **opts)
+                rep = self._replicas[name] = _Replica(name, pool)
+            return rep
+
+    def _evalsha(self, argc: int, packed: bytes) -> tuple[Any, str]:
+        """EVALSHA of the lookup script with ``argc`` pre-packed arguments, on a usable
+        replica with ``read_replicas``, else the primary; returns (reply, "primary" or
+        "replica"). NOSCRIPT: the script is loaded on that server and sent again; on a
+        cluster, MOVED/ASK: the slot map is re-read and it is sent again; a replica that
+        fails is skipped and the primary asked (at most 3 sends; then, or when the
         script still is not there, ``UnavailableError``)."""
         for _ in range(3):
-            pool = self._pool()
+            replica = self._replica()
+            pool = self._pool() if replica is None else replica.pool
             conn = None
             try:
                 conn = pool.get_connection()  # connects: a lost node fails here
                 conn.send_packed_command([self._script_head(argc), packed])
-                return conn.read_response()
+                return conn.read_response(), "primary" if replica is None else "replica"
             except redis.exceptions.NoScriptError:
                 self._load_script(pool)
-            except (redis.exceptions.MovedError, redis.exceptions.AskError):
+            except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
                 if not self.cluster:
                     raise
+                if replica is not None:
+                    replica.failed(exc)  # no longer a replica of the slot's master
                 self.r.nodes_manager.initialize()
             except BaseException as exc:
                 if conn is not None:
                     conn.disconnect()  # a half-read reply must not reach the next caller
+                if replica is not None and isinstance(exc, redis.RedisError):
+                    replica.failed(exc)
+                    continue
                 if self.cluster and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
                     self._stale_slots = True  # a failover may have moved the slot: re-read the map
                 raise
@@ -427,9 +596,16 @@ def _arg(x: object) -> bytes:
     return x if isinstance(x, bytes) else str(x).encode()
 
 
-def _result(res: Sequence[Any]) -> LookupResult:
-    inst = {res[i].decode(): int(res[i + 1]) for i in range(2, len(res), 2)}
-    return LookupResult(int(res[0]), inst, int(res[1]))
+def _result(res: Sequence[Any]) -> tuple[LookupResult, list[str]]:
+    """lookup.lua's reply: the hits of the live instances, and the dead ones (hit -1)."""
+    inst, dead = {}, []
+    for i in range(2, len(res), 2):
+        name, hit = res[i].decode(), int(res[i + 1])
+        if hit < 0:
+            dead.append(name)
+        else:
+            inst[name] = hit
+    return LookupResult(int(res[0]), inst, int(res[1])), dead
 
 
 def _raw(field: bytes | str) -> bytes:

@@ -224,6 +224,7 @@ class Dispatcher:
             m = n - self.prefill_backoff if n > self.prefill_backoff else n  # the tokens the prefill computes
             u, drop = self.cfg.prefix_match_unit, self.cfg.eagle_replay
             res = await asyncio.to_thread(self.index.lookup, hashes, m, u, drop)
+            self.metrics.index_lookups.labels(res.source).inc()
             self.metrics.live_prefill.set(len(res.instance_hits))
             local = self.recent.merge(hashes, m, res.instance_hits)
             return _Hits(hashes, local, res.store_hit, True, res.known)

@@ -111,3 +111,12 @@ class RouterMetrics:
         self.index_lookup = Histogram(
             "hybridpd_index_lookup_seconds", "Prefix index lookup (one round trip).", buckets=_FAST, registry=r
         )
+        self.index_lookups = Counter(
+            "hybridpd_index_lookups",
+            "Prefix index lookups answered, by the server that answered: primary, or replica"
+            " (redis_read_replicas: stale by the replication lag).",
+            ["source"],
+            registry=r,
+        )
+        for source in ("primary", "replica"):
+            self.index_lookups.labels(source)

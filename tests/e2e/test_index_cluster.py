@@ -69,14 +69,14 @@ def test_a_shard_lost_during_traffic_serves_on_and_recovers(cluster_stack, refer
     home = cluster.master_of(stack.index.keys.instances)
     unavailable = 'hybridpd_routing_decisions_total{decision="index_unavailable"}'
     before = _metric(stack, unavailable)
-    cluster.stop_master(home)
+    cluster.stop_node(home)
     for seed in (80, 81, 82):  # traffic while the model's shard is gone: served, exact, routed on load
         tokens = list(prompt(200, seed))
         got = _complete(stack, tokens)
         assert got.choices[0].token_ids == run(tokens, 6)
         assert got.usage.prompt_tokens_details is None or got.usage.prompt_tokens_details.cached_tokens == 0
     assert _metric(stack, unavailable) >= before + 3
-    cluster.start_master(home)
+    cluster.start_node(home)
     wait_until(  # heartbeats re-register both instances on the returned (empty) master
         lambda: {"prefill-0", "prefill-1"} <= set(stack.index.live_instances()),
         30,

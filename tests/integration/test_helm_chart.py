@@ -300,6 +300,8 @@ def test_rendered_config_file_loads_with_hybridpd_config(
     assert cfg.host == "0.0.0.0" and cfg.http_port == 8000 and cfg.grpc_port == 50051
     assert cfg.mooncake_master and cfg.mooncake_metadata_url and cfg.redis_url
     assert cfg.redis_cluster == v.get("redis", {}).get("cluster", False)
+    assert cfg.redis_read_replicas == v.get("redis", {}).get("readReplicas", False)
+    assert cfg.redis_replica_url == (v.get("redis", {}).get("replicaUrl") or None)
     ray_values = v.get("ray", {})
     assert cfg.prefill_resource == ray_values.get("prefill", {}).get("resource", "hybridpd_prefill")
     assert cfg.decode_resource == ray_values.get("decode", {}).get("resource", "hybridpd_decode")
@@ -310,6 +312,10 @@ def test_rendered_config_file_loads_with_hybridpd_config(
         url = env["HYBRIDPD_REDIS_URL"]["value"].replace("$(REDIS_PASSWORD)", "s3cret")
         assert load_config(path, env={"HYBRIDPD_REDIS_URL": url}).redis_url == url
         assert ":s3cret@" in url
+    if cfg.redis_replica_url:  # the replica's URL gets the same password, from the same Secret
+        replica = env["HYBRIDPD_REDIS_REPLICA_URL"]["value"].replace("$(REDIS_PASSWORD)", "s3cret")
+        assert replica == cfg.redis_replica_url.replace("redis://", "redis://:s3cret@")
+        assert load_config(path, env={"HYBRIDPD_REDIS_REPLICA_URL": replica}).redis_replica_url == replica
 
 
 def test_probes_use_the_routers_health_endpoints(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -347,6 +353,28 @@ def test_only_the_router_is_reachable_from_outside(rendered: dict[str, list[dict
             {"redis": {"enabled": False, "externalUrl": "redis://r:6379/2", "cluster": True}},
             "a Redis Cluster has database 0 only",
         ),
+        ({"redis": {"readReplicas": True}}, "redis.readReplicas needs an external Redis"),
+        (
+            {"redis": {"enabled": False, "externalUrl": "redis://r:6379/0", "readReplicas": True}},
+            "set redis.replicaUrl",
+        ),
+        (
+            {"redis": {"enabled": False, "externalUrl": "redis://r:6379/0", "replicaUrl": "redis://q:6379/0"}},
+            "read only with redis.readReplicas",
+        ),
+        (
+            {
+                "redis": {
+                    "enabled": False,
+                    "externalUrl": "redis://r:6379/0",
+                    "cluster": True,
+                    "readReplicas": True,
+                    "replicaUrl": "redis://q:6379/0",
+                }
+            },
+            "names its replicas itself",
+        ),
+        ({"redis": {"replicaUrl": "redis://:pw@q:6379/0"}}, "/redis/replicaUrl"),
         ({"ray": {"decode": {"resource": "hybridpd_prefill"}}}, "must differ"),
         ({"ray": {"prefill": {"resource": "a b"}}}, "/ray/prefill/resource"),
         ({"mooncake": {"enabled": False}}, "set mooncake.externalMaster"),

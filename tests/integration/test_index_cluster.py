@@ -160,11 +160,11 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
     restarted = False
     try:
         wait_until(lambda: counts["ok"] >= 10, 20, 0.05, "traffic on both models before the kill")
-        cluster.stop_master(home)
+        cluster.stop_node(home)
         wait_until(lambda: counts["unavailable"] >= 20, 20, 0.05, "lookups of the killed shard's model failing")
         before = counts["bystander_ok"]
         wait_until(lambda: counts["bystander_ok"] >= before + 20, 20, 0.05, "the bystander served while down")
-        cluster.start_master(home)
+        cluster.start_node(home)
         restarted = True
         wait_until(
             lambda: victim.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False).instance_hits.get("prefill-0") == 0,
@@ -177,7 +177,7 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
         stop.set()
         thread.join(10)
         if not restarted:
-            cluster.start_master(home)  # the module's other tests need all three
+            cluster.start_node(home)  # the module's other tests need all three
     assert not over, over[:3]
     assert counts["bystander_failed"] == 0, counts
     # the index recovers: what the instance publishes again is found again, exactly

@@ -97,6 +97,10 @@ the API keys.
       key: {{ .Values.redis.auth.secretKey }}
 - name: HYBRIDPD_REDIS_URL
   value: {{ include "hybridpd.redisUrl" . | replace "redis://" "redis://:$(REDIS_PASSWORD)@" | replace "rediss://" "rediss://:$(REDIS_PASSWORD)@" | quote }}
+{{- if .Values.redis.replicaUrl }}
+- name: HYBRIDPD_REDIS_REPLICA_URL
+  value: {{ .Values.redis.replicaUrl | replace "redis://" "redis://:$(REDIS_PASSWORD)@" | replace "rediss://" "rediss://:$(REDIS_PASSWORD)@" | quote }}
+{{- end }}
 {{- end }}
 {{- if .Values.apiKeys.enabled }}
 - name: HYBRIDPD_API_KEYS

@@ -10,6 +10,18 @@
 {{- if and .Values.redis.cluster .Values.redis.enabled -}}
 {{- fail "redis.cluster needs an external Redis Cluster: set redis.enabled=false and redis.externalUrl to any of its nodes" -}}
 {{- end -}}
+{{- if and .Values.redis.readReplicas .Values.redis.enabled -}}
+{{- fail "redis.readReplicas needs an external Redis with replicas: set redis.enabled=false and redis.externalUrl" -}}
+{{- end -}}
+{{- if and .Values.redis.readReplicas (not .Values.redis.cluster) (not .Values.redis.replicaUrl) -}}
+{{- fail "redis.readReplicas: set redis.replicaUrl to a replica of redis.externalUrl (or redis.cluster: a cluster names its replicas)" -}}
+{{- end -}}
+{{- if and .Values.redis.replicaUrl .Values.redis.cluster -}}
+{{- fail "redis.replicaUrl: a Redis Cluster names its replicas itself; unset it and keep redis.readReplicas" -}}
+{{- end -}}
+{{- if and .Values.redis.replicaUrl (not .Values.redis.readReplicas) -}}
+{{- fail "redis.replicaUrl is read only with redis.readReplicas: set that too" -}}
+{{- end -}}
 {{- if and .Values.redis.cluster (regexMatch "/[1-9][0-9]*$" .Values.redis.externalUrl) -}}
 {{- fail "redis.cluster: a Redis Cluster has database 0 only; end redis.externalUrl with /0 or no database" -}}
 {{- end -}}
