@@ -139,6 +139,11 @@ STATE_PLANE = dashboard(
         ),
         panel("Index lookup latency", quantiles("hybridpd_index_lookup_seconds"), "s"),
         panel(
+            "Index lookups by the server that answered (replica: redis_read_replicas)",
+            [q("sum by (source) (rate(hybridpd_index_lookups_total[$__rate_interval]))", "{{source}}")],
+            "reqps",
+        ),
+        panel(
             "Prompt tokens by prefix outcome (why a prefix missed)",
             [q("sum by (outcome) (rate(hybridpd_prefix_tokens_total[$__rate_interval]))", "{{outcome}}")],
             "short",
