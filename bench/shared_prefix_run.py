@@ -187,11 +187,13 @@ ROUTERS = 4
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
 VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
 #: our stack on the vLLM engine (``hybridpd up --engine vllm``, 2 prefill + 1 decode,
-#: branch-aware: router-chosen checkpoints as vLLM prefixes), run from the vLLM environment
+#: branch-aware: router-chosen checkpoints as vLLM prefixes, placement too: ``--vllm-placement``),
+#: run from the vLLM environment
 STACK_VLLM = "stack-vllm"
 STACK_VLLM_ARGS = (
     *("--engine", "vllm", "--model", "tiny", "--num-prefill", "2", "--num-decode", "1"),
     *("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--checkpoint-policy", "branch-aware"),
+    "--vllm-placement",
 )
 
 

@@ -256,6 +256,7 @@ def staged_checkpoints(
     unit: int,
     drop_eagle_block: bool,
     max_extra: int = MAX_REQUESTED_CHECKPOINTS,
+    placed: Sequence[int] = (),
 ) -> tuple[tuple[int, int], ...]:
     """For an engine that keeps a partial-prefix state only at a prompt's tail
     (vLLM): the ``(position, prefix length)`` prefills that leave the extra
@@ -267,6 +268,9 @@ def staged_checkpoints(
     tail; duplicates collapse; of more than ``max_extra`` the deepest are kept.
     The prefix length is :func:`stage_length`. No alignment or slot-column rule
     applies: each prefix is a prompt of its own, whose tail vLLM writes itself.
+    ``placed`` (the router's placement: checkpoint positions, not junctions) are
+    staged as they are, those that are unit multiples below the tail, besides
+    the ``max_extra`` requested ones.
 
     >>> staged_checkpoints([20, 41, 90], 100, 8, False)
     ((16, 17), (40, 41), (88, 89))
@@ -274,13 +278,14 @@ def staged_checkpoints(
     ((8, 17), (32, 41), (80, 89))
     >>> staged_checkpoints([5, 1000, 1500], 1600, 16, False, max_extra=1)
     ((1488, 1489),)
+    >>> staged_checkpoints([90], 100, 8, True, placed=[40, 44, 96])
+    ((40, 49), (80, 89))
     """
-    if max_extra <= 0:
-        return ()
     tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
     kept = {junction_position(min(max(r, 0), num_tokens), unit, drop_eagle_block) for r in requested}
-    chosen = sorted(p for p in kept if 0 < p < tail)[-max_extra:]
-    return tuple((p, stage_length(p, unit, drop_eagle_block)) for p in chosen)
+    chosen = set(sorted(p for p in kept if 0 < p < tail)[-max_extra:] if max_extra > 0 else ())
+    chosen |= {p for p in placed if 0 < p < tail and p % unit == 0}
+    return tuple((p, stage_length(p, unit, drop_eagle_block)) for p in sorted(chosen))
 
 
 def needs_rekey(position: int, query_end: int, mamba_block_size: int) -> bool:

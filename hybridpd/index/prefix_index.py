@@ -14,14 +14,15 @@ shard that owns it; a lost shard means misses for its models until it is back
 ``read_replicas=True``: lookups (the router's one read per request) go to a
 replica: on a cluster one of the slot's replicas (round robin), else
 ``replica_url``. A replica answers as its primary did a replication lag ago
-(stale by that step: the router's ``RecentPrefills`` covers its own newest
-prefills, and a promise broken by a removal not yet replicated is a recompute,
-counted, never wrong tokens). A replica is read only while its link to the
-primary is up (``INFO replication``, checked at most once a second): one cut
-off from its primary has no bound on how stale it is. A replica that fails a
-call is skipped until its next check and that call goes to the primary.
-Every write, and the removal of dead instances the lookup reports, goes to the
-primary.
+(Redis replication is asynchronous; the router's ``RecentPrefills`` covers its
+own newest prefills, and a promise broken by a removal not yet replicated is a
+recompute, counted, never wrong tokens). A replica is read only while its link
+to the primary is up (``INFO replication``, checked when the replica is first
+named, then every second by a background thread): one cut off from its primary
+has no bound on how stale it is. A replica that fails a call (or cannot load
+the script) is not read until a check finds it up again, and that call goes on
+with the primary. Every write, and the removal of dead instances the lookup
+reports (one more round trip, at most once a second), goes to the primary.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -128,29 +130,39 @@ def _readonly(conn: Any) -> None:
 
 @dataclass(slots=True)
 class _Replica:
-    """A replica lookups may read while its link to the primary is up (checked at most every ``LINK_CHECK_S``)."""
+    """A replica lookups read while ``ok``: its link to the primary was up at its last
+    check (when it was first named, then every ``LINK_CHECK_S`` off the request path)."""
 
     name: str
     pool: Any
-    ok: bool = False
-    next_check: float = 0.0
+    ok: bool | None = None  # None: not checked yet
 
-    def usable(self) -> bool:
-        now = time.monotonic()
-        if now >= self.next_check:
-            self.next_check = now + LINK_CHECK_S
-            up, why = _link_up(self.pool)
-            if up and not self.ok:
-                logger.info("index replica %s: reading it", self.name)
-            elif self.ok and not up:
-                logger.warning("index replica %s: skipped (%s)", self.name, why)
-            self.ok = up
-        return self.ok
+    def check(self) -> None:
+        up, why = _link_up(self.pool)
+        if up and self.ok is not True:
+            logger.info("index replica %s: reading it", self.name)
+        elif not up and self.ok is not False:
+            logger.warning("index replica %s: not read (%s)", self.name, why)
+        self.ok = up
 
     def failed(self, exc: BaseException) -> None:
         if self.ok:
-            logger.warning("index replica %s skipped until %.0f s from now: %s", self.name, LINK_CHECK_S, exc)
-        self.ok, self.next_check = False, time.monotonic() + LINK_CHECK_S
+            logger.warning("index replica %s: not read until its link checks up again: %s", self.name, exc)
+        self.ok = False
+
+
+def _watch(ref: weakref.ref[PrefixIndex]) -> None:
+    """The replica checker of one ``PrefixIndex``: every ``LINK_CHECK_S`` until the index is gone."""
+    while True:
+        time.sleep(LINK_CHECK_S)
+        index = ref()
+        if index is None:
+            return
+        try:
+            index._check_replicas()
+        except Exception:  # a check that fails leaves the states as they were; the next one retries
+            logger.debug("index replica check failed", exc_info=True)
+        del index
 
 
 def _link_up(pool: Any) -> tuple[bool, str]:
@@ -207,6 +219,7 @@ class PrefixIndex:
         self._turn = 0  # round robin over a slot's replicas
         self._next_reap = 0.0
         self._next_discovery = time.monotonic() + REPLICA_DISCOVERY_S
+        self._watcher: threading.Thread | None = None
 
     @property
     def r(self) -> Any:
@@ -447,31 +460,32 @@ class PrefixIndex:
 
     def _replica(self) -> _Replica | None:
         """A replica to read now (None: read the primary): ``replica_url``, or on a
-        cluster the first usable one of the slot's replicas, in turn (while there is
-        none, the slot map is re-read every ``REPLICA_DISCOVERY_S``)."""
+        cluster the first usable one of the slot's replicas, in turn."""
         if not self.read_replicas:
             return None
+        if self._watcher is None:
+            self._start_watcher()
         if not self.cluster:
-            assert self._replica_url is not None
             addrs: list[tuple[str, int] | None] = [None]
         else:
             self._refresh_slots()
-            slot = self.r.keyslot(self._instances_key)
-            nodes = self.r.nodes_manager.slots_cache.get(slot) or []
-            addrs = [(n.host, n.port) for n in nodes if n.server_type == REPLICA]
+            addrs = list(self._slot_replicas())
         self._turn += 1
         for k in range(len(addrs)):
             rep = self._replica_at(addrs[(self._turn + k) % len(addrs)])
-            if rep.usable():
+            if rep.ok:
                 return rep
-        if self.cluster and time.monotonic() >= self._next_discovery:  # a replica added or back since
-            self._next_discovery = time.monotonic() + REPLICA_DISCOVERY_S
-            self._stale_slots = True
         return None
 
+    def _slot_replicas(self) -> list[tuple[str, int]]:
+        slot = self.r.keyslot(self._instances_key)
+        nodes = self.r.nodes_manager.slots_cache.get(slot) or []
+        return [(n.host, n.port) for n in nodes if n.server_type == REPLICA]
+
     def _replica_at(self, addr: tuple[str, int] | None) -> _Replica:
-        """The (lazily made) replica at ``addr`` (None: ``replica_url``): a cluster node gets the
-        credentials and TLS of ``url`` and connections that say READONLY."""
+        """The replica at ``addr`` (None: ``replica_url``), made and checked the first time it
+        is named (a cluster node gets the credentials and TLS of ``url`` and connections that
+        say READONLY); from then on the watcher thread checks it."""
         name = self._replica_url if addr is None else "%s:%d" % addr
         assert name is not None
         with self._replicas_lock:
@@ -487,17 +501,45 @@ class PrefixIndex:
                     opts = {**parse_url(self._url), "host": addr[0], "port": addr[1], **timeouts}
                     pool = redis.ConnectionPool(redis_connect_func=_readonly, **opts)
                 rep = self._replicas[name] = _Replica(name, pool)
+                rep.check()
             return rep
+
+    def _start_watcher(self) -> None:
+        with self._replicas_lock:
+            if self._watcher is None:
+                self._watcher = threading.Thread(
+                    target=_watch, args=(weakref.ref(self),), name="hpd-index-replicas", daemon=True
+                )
+                self._watcher.start()
+
+    def _check_replicas(self) -> None:
+        """The watcher's round: check every replica named so far; on a cluster whose slot
+        has no usable replica, re-read the slot map every ``REPLICA_DISCOVERY_S`` (a
+        replica added, or a failed master back as one) and forget replicas no longer in it."""
+        with self._replicas_lock:
+            replicas = list(self._replicas.values())
+        for rep in replicas:
+            rep.check()
+        if not self.cluster or any(r.ok for r in replicas) or time.monotonic() < self._next_discovery:
+            return
+        self._next_discovery = time.monotonic() + REPLICA_DISCOVERY_S
+        self.r.nodes_manager.initialize(disconnect_startup_nodes_pools=False)
+        current = {"%s:%d" % a for a in self._slot_replicas()}
+        with self._replicas_lock:
+            gone = [self._replicas.pop(n) for n in list(self._replicas) if n not in current]
+        for rep in gone:
+            rep.pool.disconnect()
 
     def _evalsha(self, argc: int, packed: bytes) -> tuple[Any, str]:
         """EVALSHA of the lookup script with ``argc`` pre-packed arguments, on a usable
         replica with ``read_replicas``, else the primary; returns (reply, "primary" or
         "replica"). NOSCRIPT: the script is loaded on that server and sent again; on a
         cluster, MOVED/ASK: the slot map is re-read and it is sent again; a replica that
-        fails is skipped and the primary asked (at most 3 sends; then, or when the
-        script still is not there, ``UnavailableError``)."""
+        fails (or cannot load the script) is marked unusable and the call goes on with
+        the primary (at most 3 sends; then, or when the script still is not there,
+        ``UnavailableError``)."""
+        replica = self._replica()
         for _ in range(3):
-            replica = self._replica()
             pool = self._pool() if replica is None else replica.pool
             conn = None
             try:
@@ -505,18 +547,26 @@ class PrefixIndex:
                 conn.send_packed_command([self._script_head(argc), packed])
                 return conn.read_response(), "primary" if replica is None else "replica"
             except redis.exceptions.NoScriptError:
-                self._load_script(pool)
+                try:
+                    self._load_script(pool)
+                except (redis.RedisError, UnavailableError) as exc:
+                    if replica is None:
+                        raise
+                    replica.failed(exc)
+                    replica = None
             except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
                 if not self.cluster:
                     raise
                 if replica is not None:
                     replica.failed(exc)  # no longer a replica of the slot's master
+                    replica = None
                 self.r.nodes_manager.initialize()
             except BaseException as exc:
                 if conn is not None:
                     conn.disconnect()  # a half-read reply must not reach the next caller
                 if replica is not None and isinstance(exc, redis.RedisError):
                     replica.failed(exc)
+                    replica = None
                     continue
                 if self.cluster and isinstance(exc, redis.ConnectionError | redis.TimeoutError):
                     self._stale_slots = True  # a failover may have moved the slot: re-read the map

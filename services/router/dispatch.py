@@ -183,12 +183,18 @@ class Dispatcher:
         return replace(req, placement=placed) if placed else req
 
     def _placement(self, req: EngineRequest, hit: int) -> tuple[int, ...]:
-        """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's): the
-        native engine only (vLLM would pay a prefix prefill per position)."""
+        """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's). The
+        native engine writes them mid-chunk under its slot rules; the vLLM engine
+        stages each as a prefix prefill (``engine/vllm/stages.py``: an engine step
+        and a token each), so there any unit multiple past the hit is a candidate
+        (with ``vllm_placement`` only)."""
         cfg = self.cfg
-        if cfg.engine != "native" or not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
+        if not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
             return ()
-        n, u, b, a = len(req.prompt_token_ids), cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment
+        if cfg.engine == "vllm" and not cfg.vllm_placement:
+            return ()
+        n, u = len(req.prompt_token_ids), cfg.prefix_match_unit
+        b, a = (cfg.mamba_block_size, cfg.checkpoint_alignment) if cfg.engine == "native" else (u, u)
         requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, cfg.eagle_replay, cfg.max_extra_checkpoints)
         try:  # NOTE: on the event loop: O(1) candidates, a DP over at most 192 of them (ms)
             placed = place(

@@ -163,8 +163,9 @@ def test_branch_aware_router_adds_the_junction_past_the_hit() -> None:
 
 def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
     """The default placement adds positions the engine can write: unit multiples past
-    the hit, below the tail, none of them the junction; off adds none, the vLLM engine
-    none; the divergences the router saw pull them towards the tail."""
+    the hit, below the tail, none of them the junction; off adds none; the vLLM engine
+    (which stages each as a prefix) gets unit multiples too; the divergences the router
+    saw pull them towards the tail."""
     req = EngineRequest(RequestId("r"), tuple(range(3, 1003)), SamplingParams())
     d = _dispatcher()
     out = d.with_junction(req, _route(64, 64))
@@ -175,4 +176,6 @@ def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
     deep = d.with_junction(req, _route(64, 64)).placement
     assert max(deep) == 960 and max(deep) > max(out.placement)  # the deepest state below 970
     assert _dispatcher(checkpoint_placement="off").with_junction(req, _route(64, 64)) is req
-    assert _dispatcher(engine="vllm").with_junction(req, _route(64, 64)) is req
+    assert _dispatcher(engine="vllm").with_junction(req, _route(64, 64)) is req  # vllm_placement off
+    on_vllm = _dispatcher(engine="vllm", vllm_placement=True).with_junction(req, _route(64, 64)).placement
+    assert 1 <= len(on_vllm) <= 2 and all(64 < p < 992 and p % 16 == 0 for p in on_vllm)

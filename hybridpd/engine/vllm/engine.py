@@ -23,6 +23,7 @@ Token ids in, token ids out: the router tokenizes (the tokenizer files are in
 the model directory, so both sides tokenize identically).
 
 ``EngineRequest.checkpoints`` (junctions, chat boundaries, client positions)
+and ``EngineRequest.placement`` (the router's placed positions)
 become checkpoints by prefilling the prompt's prefixes first, each ending where
 vLLM's tail rule keeps a state (``stages.py``; positions by
 ``checkpoints.staged_checkpoints``) on local and prefill engines. vLLM also
@@ -337,12 +338,15 @@ class VllmEngine:
     def checkpoint_plan(self, request: EngineRequest, prefill_only: bool, hit: int) -> tuple[tuple[int, int], ...]:
         """The ``(position, prefix length)`` prefixes prefilled before ``request``
         so that vLLM keeps a state at each of its extra checkpoints
-        (``checkpoints.staged_checkpoints`` of the tokens this engine computes,
-        at most ``max_extra_checkpoints``), each past ``hit`` (what the prompt
+        (``checkpoints.staged_checkpoints`` of the tokens this engine computes:
+        at most ``max_extra_checkpoints`` requested ones, and the router's
+        placement), each past ``hit`` (what the prompt
         finds cached: a prefix below it would recompute what is cached); none on a
         decode engine, without prefix caching, or where vLLM cannot hit at unit
         granularity (``mamba_partial_cache_hit``: then it hits whole blocks only)."""
-        if not request.checkpoints or not self.cfg.enable_prefix_caching or self.role == "decode":
+        if not (request.checkpoints or request.placement) or not self.cfg.enable_prefix_caching:
+            return ()
+        if self.role == "decode":
             return ()
         if not self.partial_hits:
             log_once("vLLM hits whole blocks only here (no partial hash hits): extra checkpoints are not staged")
@@ -353,6 +357,7 @@ class VllmEngine:
             self.unit,
             self.drop_eagle_block,
             self.cfg.max_extra_checkpoints,
+            placed=request.placement,
         )
         return tuple((p, n) for p, n in plan if p > hit)
 
