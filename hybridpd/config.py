@@ -79,14 +79,13 @@ class HybridPDConfig(BaseModel):
         description="Extra checkpoints along each prompt so a request that diverges from it first still hits"
         " (the router places them, hybridpd/placement.py; on vLLM with vllm_placement): value = the positions"
         " that maximise the expected prefill FLOPs saved, from the divergences the router saw; geometric = the"
-        " tail less 2u,"
-        " 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
+        " tail less 2u, 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
     )
     vllm_placement: bool = Field(
         False,
         description="Also place checkpoints on the vLLM engine, each staged as a prefix prefill (an engine step"
-        " and a token each). Off by default: with vLLM 0.32's MooncakeStoreConnector a prompt that ran behind"
-        " a staged prefix was found in the store only up to that prefix (docs/DESIGN.md, Known gaps).",
+        " and a token each). Off by default: the engine stages placed positions past its local hit only, so"
+        " one below what MooncakeStore holds recomputes from a shallower store hit (docs/DESIGN.md, Known gaps).",
     )
     placement_checkpoints: int = Field(
         2,
