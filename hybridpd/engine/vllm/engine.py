@@ -295,7 +295,8 @@ class VllmEngine:
         transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
         self._register(request)
-        hit = self.local_hit(request.prompt_token_ids, request.cache_salt) if request.checkpoints else 0
+        staged = request.checkpoints or request.placement
+        hit = self.local_hit(request.prompt_token_ids, request.cache_salt) if staged else 0
         first = self.stages.start(request, self.checkpoint_plan(request, prefill_only, hit))
         try:
             if first is not None:
