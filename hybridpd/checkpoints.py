@@ -288,6 +288,26 @@ def staged_checkpoints(
     return tuple((p, stage_length(p, unit, drop_eagle_block)) for p in sorted(chosen))
 
 
+def truncated_tail_stage(num_tokens: int, computed: int, unit: int, drop_eagle_block: bool) -> tuple[int, int] | None:
+    """A prompt of ``num_tokens`` whose prefill computes only ``computed`` of them
+    (vLLM's P/D prefill: decode recomputes the rest) leaves its tail at
+    ``checkpoint_position(computed)``, a unit below one engine's when
+    ``computed`` crosses a unit boundary (``num_tokens = k u + 1``, one token of
+    backoff). The ``(position, prefix length)`` to stage so the prompt's own
+    tail exists, as one engine would leave it for a next turn that extends the
+    prompt; None when the truncated tail is already there.
+
+    >>> truncated_tail_stage(97, 96, 16, False), truncated_tail_stage(98, 97, 16, False)
+    ((96, 97), None)
+    >>> truncated_tail_stage(97, 96, 16, True)
+    (80, 97)
+    """
+    full = checkpoint_position(num_tokens, unit, drop_eagle_block)
+    if full <= checkpoint_position(computed, unit, drop_eagle_block):
+        return None
+    return full, stage_length(full, unit, drop_eagle_block)
+
+
 def needs_rekey(position: int, query_end: int, mamba_block_size: int) -> bool:
     """True when the written slot's natural key is not state@``position``."""
     return natural_position(checkpoint_slot_column(query_end, mamba_block_size), mamba_block_size) != position

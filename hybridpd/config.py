@@ -82,10 +82,9 @@ class HybridPDConfig(BaseModel):
         " tail less 2u, 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
     )
     vllm_placement: bool = Field(
-        False,
+        True,
         description="Also place checkpoints on the vLLM engine, each staged as a prefix prefill (an engine step"
-        " and a token each). Off by default: the engine stages placed positions past its local hit only, so"
-        " one below what MooncakeStore holds recomputes from a shallower store hit (docs/DESIGN.md, Known gaps).",
+        " and a token each) past what the engine's local cache and MooncakeStore already hold.",
     )
     placement_checkpoints: int = Field(
         2,

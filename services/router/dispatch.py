@@ -187,7 +187,7 @@ class Dispatcher:
         native engine writes them mid-chunk under its slot rules; the vLLM engine
         stages each as a prefix prefill (``engine/vllm/stages.py``: an engine step
         and a token each), so there any unit multiple past the hit is a candidate
-        (with ``vllm_placement`` only)."""
+        (unless ``vllm_placement`` is off)."""
         cfg = self.cfg
         if not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
             return ()

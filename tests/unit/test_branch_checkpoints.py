@@ -176,6 +176,6 @@ def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
     deep = d.with_junction(req, _route(64, 64)).placement
     assert max(deep) == 960 and max(deep) > max(out.placement)  # the deepest state below 970
     assert _dispatcher(checkpoint_placement="off").with_junction(req, _route(64, 64)) is req
-    assert _dispatcher(engine="vllm").with_junction(req, _route(64, 64)) is req  # vllm_placement off
-    on_vllm = _dispatcher(engine="vllm", vllm_placement=True).with_junction(req, _route(64, 64)).placement
+    assert _dispatcher(engine="vllm", vllm_placement=False).with_junction(req, _route(64, 64)) is req
+    on_vllm = _dispatcher(engine="vllm").with_junction(req, _route(64, 64)).placement  # vllm_placement: default on
     assert 1 <= len(on_vllm) <= 2 and all(64 < p < 992 and p % 16 == 0 for p in on_vllm)

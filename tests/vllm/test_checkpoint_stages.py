@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridpd.checkpoints import junction_position, staged_checkpoints
+from hybridpd.checkpoints import junction_position, staged_checkpoints, truncated_tail_stage
 from tests.vllm.workers import PdPair, assert_match_reference, run_local, tokens
 
 SHARED, OWN, JUNCTION, UNIT = 1500, 800, 1000, 16
@@ -76,3 +76,22 @@ def test_no_prefix_below_what_is_cached() -> None:
     got = run_local([("A", a), ("D", d, (JUNCTION,))], 4)
     assert got["_prefixes"] == 0
     assert got["D"]["cached"] == (len(a) - 1) // UNIT * UNIT  # 2288
+
+
+def test_pd_prefill_keeps_the_prompt_tail_one_engine_would() -> None:
+    """A P/D prefill computes N - 1 tokens; for N = 1,601 (100 units and one token)
+    its own tail is 1,584, a unit below one engine's 1,600. The engine stages the
+    prompt's tail (``truncated_tail_stage``), so the next turn, which extends the
+    whole prompt, hits 1,600 (the ideal), and A reports no hit of its own work."""
+    a = tokens(1601, 6)
+    e = a + tokens(300, 7)
+    assert truncated_tail_stage(len(a), len(a) - 1, UNIT, False) == (1600, 1601)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    with PdPair() as pd:
+        for rid, toks in (("A", a), ("E", e)):
+            _, ticket, _, got[rid] = pd.run(rid, toks, 6)
+            cached[rid] = ticket.num_cached_tokens
+    print(cached)
+    assert cached == {"A": 0, "E": 1600}
+    assert_match_reference([("A", a), ("E", e)], 6, got)

@@ -333,62 +333,38 @@ class TruthProbe:
     """What a vLLM engine in this process, and its MooncakeStoreConnector, can deliver
     for a prompt now, read without side effects (``test_index_truth``):
 
-    * ``local_hit``: vLLM's own prefix hit for a request of the given tokens,
-      ``KVCacheManager.get_computed_blocks`` on a fresh ``vllm.v1.request.Request``
-      hashed by the engine core's ``request_block_hasher`` (the lookup the scheduler
-      runs at admission; it reads the block pool's hash table only: no reference
-      counts, no free-queue order, no events; capped at the request's tokens - 1);
+    * ``local_hit``: the engine's ``VllmEngine.local_hit`` (vLLM's admission lookup,
+      ``KVCacheManager.get_computed_blocks``, on a fresh request: it reads the block
+      pool's hash table only: no reference counts, no free-queue order, no events;
+      capped at the request's tokens - 1);
     * ``attention_hit``: the full-attention group's own hit within ``length`` tokens
       (``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, read-only too);
-    * ``store_hit``: the store connector's own lookup (``LookupKeyClient._lookup`` on
-      the client's executor, as the scheduler's ``get_num_new_matched_tokens`` calls
-      it, minus its per-request future bookkeeping): ``batch_is_exist`` on the
-      Mooncake keys of every group and the connector's hybrid hit rule over them;
+    * ``store_hit``: the engine's ``VllmEngine.store_hit`` (the store connector's
+      own lookup: ``batch_is_exist`` on the Mooncake keys of every group and the
+      connector's hybrid hit rule over them);
     * ``attention_cached``: whether the full-attention group holds an entry (a full
       block, or a partial one) keyed by a hash (``BlockPool.get_cached_block``).
 
     ``answer`` asserts the probes left the block pool as they found it."""
 
     def __init__(self, eng: Any) -> None:
+        self.eng = eng
         core = eng._core()
         self.sched = core.scheduler
         self.mgr = self.sched.kv_cache_manager
         self.pool = self.mgr.block_pool
-        self.block_hasher = core.request_block_hasher
         self.fa_group = self.mgr.coordinator.full_attention_group_id
-        conns = getattr(self.sched.connector, "_connectors", [self.sched.connector])
-        store = [c for c in conns if type(c).__name__ == "MooncakeStoreConnector"]
-        self.lookup_client = store[0].connector_scheduler.client if store else None
-        self._n = 0
-
-    def _request(self, tokens: list[int], salt: str | None) -> Any:
-        from vllm.sampling_params import SamplingParams as VllmSampling
-        from vllm.v1.request import Request
-
-        self._n += 1
-        return Request(
-            "truth-%d" % self._n,
-            list(tokens),
-            VllmSampling(max_tokens=1),
-            None,
-            cache_salt=salt,
-            block_hasher=self.block_hasher,
-        )
 
     def local_hit(self, tokens: list[int], salt: str | None) -> int:
-        return int(self.mgr.get_computed_blocks(self._request(tokens, salt))[1])
+        return int(self.eng.local_hit(tokens, salt))
 
     def attention_hit(self, tokens: list[int], salt: str | None, length: int) -> int:
-        req = self._request(tokens, salt)
+        req = self.eng._probe(self.eng._core(), tokens, salt)
         _, hits = self.mgr.coordinator.find_longest_cache_hit_per_group(req.block_hashes, length)
         return int(hits[self.fa_group])
 
     def store_hit(self, tokens: list[int], salt: str | None) -> int:
-        if self.lookup_client is None:
-            return 0
-        req = self._request(tokens, salt)
-        client = self.lookup_client
-        return int(client.executor.submit(client._lookup, req.num_tokens, list(req.block_hashes)).result().hit_length)
+        return int(self.eng.store_hit(tokens, salt))
 
     def attention_cached(self, h: bytes) -> bool:
         return self.pool.get_cached_block(h, [self.fa_group]) is not None

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpd.checkpoint_value import LINEAR_ONLY
-from hybridpd.checkpoints import checkpoint_position, staged_checkpoints
+from hybridpd.checkpoints import checkpoint_position, staged_checkpoints, truncated_tail_stage
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -295,9 +295,9 @@ class VllmEngine:
         transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
         self._register(request)
-        staged = request.checkpoints or request.placement
-        hit = self.local_hit(request.prompt_token_ids, request.cache_salt) if staged else 0
-        first = self.stages.start(request, self.checkpoint_plan(request, prefill_only, hit))
+        stages = self._stages(request, prefill_only)
+        hit = self.cached_hit(request) if stages else 0
+        first = self.stages.start(request, tuple((p, n) for p, n in stages if p > hit))
         try:
             if first is not None:
                 self._submit(first, 1, None)
@@ -336,31 +336,48 @@ class VllmEngine:
         if live is not None:
             self.pending.append(self._output(live.request, (), True, FinishReason.ABORT, 0))
 
+    def cached_hit(self, request: EngineRequest) -> int:
+        """Where ``request`` would start computing now: the longer of vLLM's local
+        prefix-cache hit and its MooncakeStore hit. Staging stays past it, so a
+        prefix never recomputes (and never reports as the prompt's hit) a state the
+        store would load whole; a router placement from an index that did not yet
+        show the store's entries is dropped here."""
+        hit = self.local_hit(request.prompt_token_ids, request.cache_salt)
+        return max(hit, self.store_hit(request.prompt_token_ids, request.cache_salt))
+
     def checkpoint_plan(self, request: EngineRequest, prefill_only: bool, hit: int) -> tuple[tuple[int, int], ...]:
         """The ``(position, prefix length)`` prefixes prefilled before ``request``
-        so that vLLM keeps a state at each of its extra checkpoints
-        (``checkpoints.staged_checkpoints`` of the tokens this engine computes:
-        at most ``max_extra_checkpoints`` requested ones, and the router's
-        placement), each past ``hit`` (what the prompt
-        finds cached: a prefix below it would recompute what is cached); none on a
-        decode engine, without prefix caching, or where vLLM cannot hit at unit
-        granularity (``mamba_partial_cache_hit``: then it hits whole blocks only)."""
-        if not (request.checkpoints or request.placement) or not self.cfg.enable_prefix_caching:
+        so that vLLM keeps a state at each of its extra checkpoints, each past
+        ``hit`` (what the prompt finds cached: a prefix below it would recompute
+        what is cached): ``checkpoints.staged_checkpoints`` of the tokens this
+        engine computes (at most ``max_extra_checkpoints`` requested ones, and the
+        router's placement), and on a P/D prefill whose truncation drops a unit
+        from its tail, the prompt's own tail (``truncated_tail_stage``: a next turn
+        extending the prompt hits it, as on one engine). None on a decode engine,
+        without prefix caching, or where vLLM cannot hit at unit granularity
+        (``mamba_partial_cache_hit``: then it hits whole blocks only)."""
+        return tuple((p, n) for p, n in self._stages(request, prefill_only) if p > hit)
+
+    def _stages(self, request: EngineRequest, prefill_only: bool) -> tuple[tuple[int, int], ...]:
+        """``checkpoint_plan`` before the hit is known (the hit costs a store lookup)."""
+        if not self.cfg.enable_prefix_caching or self.role == "decode":
             return ()
-        if self.role == "decode":
+        n, computed = len(request.prompt_token_ids), self.computed_prompt_tokens(request, prefill_only)
+        tail = truncated_tail_stage(n, computed, self.unit, self.drop_eagle_block) if computed < n else None
+        if not (request.checkpoints or request.placement or tail):
             return ()
         if not self.partial_hits:
             log_once("vLLM hits whole blocks only here (no partial hash hits): extra checkpoints are not staged")
             return ()
         plan = staged_checkpoints(
             request.checkpoints,
-            self.computed_prompt_tokens(request, prefill_only),
+            computed,
             self.unit,
             self.drop_eagle_block,
             self.cfg.max_extra_checkpoints,
             placed=request.placement,
         )
-        return tuple((p, n) for p, n in plan if p > hit)
+        return (*plan, tail) if tail is not None else plan
 
     def _resume(self, request_id: str, cached: int) -> None:
         """A checkpoint prefix finished: submit the next one, or the prompt."""
@@ -503,14 +520,37 @@ class VllmEngine:
         core = self._core()
         if core is None or not self.cfg.enable_prefix_caching or len(token_ids) < 2:
             return 0
+        return int(core.scheduler.kv_cache_manager.get_computed_blocks(self._probe(core, token_ids, cache_salt))[1])
+
+    def store_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """What vLLM's MooncakeStoreConnector would load for ``token_ids`` now: its
+        scheduler's own store lookup (``LookupKeyClient.lookup``, a read of the
+        store's keys) on a probe request; 0 without a store connector or when the
+        lookup fails (then staging may recompute what the store holds, never more)."""
+        core = self._core()
+        if core is None or not self.cfg.enable_prefix_caching or len(token_ids) < 2:
+            return 0
+        store = _store_scheduler(getattr(core.scheduler, "connector", None))
+        if store is None or not store.enable_lookup:
+            return 0
+        probe = self._probe(core, token_ids, cache_salt)
+        try:
+            found = store.client.lookup("hybridpd-store-probe", probe.num_tokens, probe.block_hashes)
+        except Exception:  # the store is a cache: staging then treats it as empty
+            logger.warning("MooncakeStore lookup failed: staging ignores the store", exc_info=True)
+            return 0
+        return int(found.hit_length) if found is not None else 0
+
+    @staticmethod
+    def _probe(core: Any, token_ids: Sequence[int], cache_salt: str | None) -> Any:
+        """A request vLLM never runs, hashed by ``core``'s block hasher, for lookups."""
         from vllm.sampling_params import SamplingParams as VllmSampling
         from vllm.v1.request import Request
 
-        probe = Request(
-            "local-hit", list(token_ids), VllmSampling(max_tokens=1), None,
+        return Request(
+            "hybridpd-probe", list(token_ids), VllmSampling(max_tokens=1), None,
             cache_salt=cache_salt, block_hasher=core.request_block_hasher,
         )  # fmt: skip
-        return int(core.scheduler.kv_cache_manager.get_computed_blocks(probe)[1])
 
     def handoff_stats(self) -> HandoffStats:
         """vLLM's connector owns its handoffs (its own metrics count them)."""
@@ -558,3 +598,18 @@ class VllmEngine:
             self.engine.engine_core.shutdown()
         except Exception:  # already down
             logger.debug("vLLM shutdown failed", exc_info=True)
+
+
+def _store_scheduler(connector: Any) -> Any:
+    """The MooncakeStoreConnector scheduler side of vLLM's connector (alone or
+    inside a MultiConnector), or None."""
+    if connector is None:
+        return None
+    found = getattr(connector, "connector_scheduler", None)
+    if found is not None and hasattr(found, "client") and hasattr(found, "enable_lookup"):
+        return found
+    for sub in getattr(connector, "sub_connectors", ()):  # MultiConnector: a property
+        found = _store_scheduler(sub)
+        if found is not None:
+            return found
+    return None
