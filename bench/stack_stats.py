@@ -38,3 +38,19 @@ def load_spread(before: dict[str, int] | None, after: dict[str, int] | None) -> 
     total = sum(delta.values())
     shares = {n: (d / total if total else 0.0) for n, d in sorted(delta.items())}
     return {**{"share_" + n: v for n, v in shares.items()}, "max_share": max(shares.values(), default=0.0)}
+
+
+def prefill_cache(client: httpx.Client, url: str) -> dict[str, float] | None:
+    """What the prefill instances' engines hold in their prefix caches now, summed
+    over the instances: ``cached_blocks`` (pool pages with a prefix hash: KV and
+    recurrent-state pages alike, ``PoolStats.num_cached_blocks``) and
+    ``cached_mib`` (the pages' bytes, ``PoolStats.block_bytes`` each); None where
+    ``url`` is not our stack."""
+    resp = client.get(url + "/v1/hybridpd/stats", timeout=60)
+    if resp.status_code == 404:
+        return None
+    resp.raise_for_status()
+    pools = [s["pool"] for n, s in resp.json().items() if n.startswith("prefill")]
+    blocks = sum(int(p.get("num_cached_blocks", 0)) for p in pools)
+    nbytes = sum(int(p.get("num_cached_blocks", 0)) * int(p.get("block_bytes", 0)) for p in pools)
+    return {"cached_blocks": float(blocks), "cached_mib": nbytes / 2**20}

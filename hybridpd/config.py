@@ -77,7 +77,7 @@ class HybridPDConfig(BaseModel):
     checkpoint_placement: Literal["value", "geometric", "interval", "off"] = Field(
         "value",
         description="Extra checkpoints along each prompt so a request that diverges from it first still hits"
-        " (the router places them, hybridpd/placement.py; on vLLM with vllm_placement): value = the positions"
+        " (the router places them, hybridpd/placement.py; on vLLM unless vllm_placement is off): value = the positions"
         " that maximise the expected prefill FLOPs saved, from the divergences the router saw; geometric = the"
         " tail less 2u, 4u, ...; interval = every placement_interval tokens (vLLM's retention interval); off.",
     )
@@ -85,6 +85,13 @@ class HybridPDConfig(BaseModel):
         True,
         description="Also place checkpoints on the vLLM engine, each staged as a prefix prefill (an engine step"
         " and a token each) past what the engine's local cache and MooncakeStore already hold.",
+    )
+    vllm_retention_interval: int = Field(
+        0,
+        ge=0,
+        description="vLLM's prefix_cache_retention_interval (tokens, a multiple of vLLM's scheduler block; vLLM"
+        " checks it at start): also keep the recurrent state at chunk ends on its multiples. 0 keeps only the"
+        " replay boundaries and junctions, which the router's staged checkpoints cover (bench vllm-retention).",
     )
     placement_checkpoints: int = Field(
         2,

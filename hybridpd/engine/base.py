@@ -155,6 +155,8 @@ class PoolStats:
     num_free_state_slots: int
     num_running: int
     num_waiting: int
+    #: bytes of one pool block (a page: vLLM pads every group's block to one size), 0 if not known
+    block_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

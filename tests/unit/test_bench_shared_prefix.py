@@ -192,6 +192,12 @@ def test_checks_stack_vllm_against_vllm() -> None:
     tied = variant({"fanout_ids": 0.0, "tree_ids": 0.95}, 140.0)
     out = checks({"stack-vllm": ours, "vllm-direct": direct, "vllm-pd": tied})
     assert not out["stack_vllm_above_vllm"] and out["stack_vllm_not_above"] == ["tree_ids: 0.950 vs vllm-pd 0.950"]
+    assert not out["stack_vllm_above_vllm_or_ideal"]
+    ideal = variant({"fanout_ids": 1.0, "tree_ids": 1.0}, 0.0)
+    at_ideal = variant({"fanout_ids": 0.0, "tree_ids": 1.0}, 70.0)
+    out = checks({"stack-vllm": ideal, "vllm-direct": at_ideal, "vllm-pd": pd})
+    assert not out["stack_vllm_above_vllm"] and out["stack_vllm_not_above"] == ["tree_ids: 1.000 vs vllm-direct 1.000"]
+    assert out["stack_vllm_above_vllm_or_ideal"] and out["stack_vllm_not_above_or_ideal"] == []
     low = variant({"fanout_ids": 1.0, "tree_ids": 0.88}, 0.0)
     out = checks({"stack-vllm": low, "vllm-direct": direct, "vllm-pd": pd})
     assert not out["stack_vllm_ok"] and out["stack_vllm_below"] == ["tree_ids"] and out["stack_vllm_above_vllm"]

@@ -24,6 +24,8 @@ def test_caching_and_hybrid_settings_map_onto_vllm() -> None:
     assert kw["model"] == str(MODEL) and kw["dtype"] == "bfloat16"
     assert kw["enable_prefix_caching"] is True and kw["mamba_cache_mode"] == "align"
     assert kw["prefix_match_unit"] == 128 and kw["prefix_caching_hash_algo"] == "xxhash_cbor"
+    assert kw["prefix_cache_retention_interval"] == 0  # vLLM's default, chosen (bench vllm-retention)
+    assert engine_kwargs(_cfg(vllm_retention_interval=768), MODEL, "local")["prefix_cache_retention_interval"] == 768
     assert "kv_transfer_config" not in kw and "speculative_config" not in kw
     off = engine_kwargs(_cfg(enable_prefix_caching=False), MODEL, "local")
     assert off["enable_prefix_caching"] is False and "mamba_cache_mode" not in off

@@ -41,6 +41,8 @@ def test_router_chosen_junction_inside_a_vllm_block_is_hit(asked: bool) -> None:
     got = run_local([("A", a, (JUNCTION,) if asked else ()), ("B", b)], 8)
     print({rid: got[rid]["cached"] for rid in ("A", "B")}, "prefixes", got["_prefixes"])
     assert got["A"]["cached"] == 0  # the prefix A prefilled first is A's own work, not a hit
+    pool = got["_stats"]  # what the cache holds: A's and B's pages, at least A's blocks of K
+    assert pool.num_cached_blocks >= len(a) // 384 and pool.block_bytes > 0
     if asked:
         assert got["_prefixes"] == 1
         assert got["B"]["cached"] == 992  # exactly the junction, at unit granularity inside a block

@@ -203,6 +203,7 @@ def engine_kwargs(
         # at prefix_match_unit granularity within them (partial-prefix checkpoints)
         kw["mamba_cache_mode"] = "align"
         kw["prefix_match_unit"] = cfg.prefix_match_unit
+        kw["prefix_cache_retention_interval"] = cfg.vllm_retention_interval
     if kv_cache_memory_bytes is not None:
         kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
     transfer = kv_transfer_config(cfg, role, store)

@@ -589,7 +589,15 @@ class VllmEngine:
         total = pool.num_gpu_blocks - 1 if pool is not None else 0  # vLLM reserves one null block
         free = pool.get_num_free_blocks() if pool is not None else 0
         running = sum(1 for v in self.live.values())
-        return PoolStats(total, free, 0, 0, 0, running, 0)
+        # distinct (hash, group) keys: each names one cached page of one KV cache group
+        cached = len(pool.cached_block_hash_to_block) if pool is not None else 0
+        return PoolStats(total, free, cached, 0, 0, running, 0, self._page_bytes())
+
+    def _page_bytes(self) -> int:
+        """One page of vLLM's block pool (every group's block is padded to it)."""
+        core = self._core()
+        groups = core.scheduler.kv_cache_config.kv_cache_groups if core is not None else ()
+        return max((int(g.kv_cache_spec.page_size_bytes) for g in groups), default=0)
 
     def close(self) -> None:
         if self.feed is not None:
