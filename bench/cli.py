@@ -138,12 +138,14 @@ def bench_growing_streams(
             "branch-aware-4routers",
             "nocache",
             "stack-vllm",
+            "stack-vllm-retain-dense",
             "vllm-direct",
             "vllm-pd",
         ]
     ),
     help="Run only these variants and merge them into the same workload's results already in --json"
-    " (stack-vllm, our stack on the vLLM engine, vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
+    " (stack-vllm, our stack on the vLLM engine, stack-vllm-retain-dense, the same with vLLM's retention"
+    " interval at its scheduler block, vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
     " need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(
