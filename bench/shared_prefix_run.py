@@ -188,11 +188,12 @@ ROUTERS = 4
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
 VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
-#: stack-vllm with vLLM's ``prefix_cache_retention_interval`` at its scheduler block (384
-#: tokens for the tiny model in bf16; at or below the block vLLM keeps every chunk end's
-#: state, dense) against stack-vllm's 0: the hit-rate/memory trade-off of #26
+#: stack-vllm with vLLM's ``prefix_cache_retention_interval`` at its scheduler block (640
+#: tokens for the tiny model under STACK_VLLM_ARGS, as vLLM reports when the interval is
+#: not a multiple of it; at or below the block vLLM keeps every chunk end's state: dense)
+#: against stack-vllm's 0: the hit-rate/memory trade-off of #26
 STACK_VLLM_DENSE = "stack-vllm-retain-dense"
-TINY_SCHEDULER_BLOCK = 384
+TINY_SCHEDULER_BLOCK = 640
 #: our stack on the vLLM engine (``hybridpd up --engine vllm``, 2 prefill + 1 decode,
 #: branch-aware: router-chosen checkpoints as vLLM prefixes, placement too: ``--vllm-placement``,
 #: the default, named so the variant says what it runs),
