@@ -199,8 +199,10 @@ def engine_kwargs(
         "enforce_eager": cfg.device == "cpu",
     }
     if cfg.enable_prefix_caching:
-        # hybrid models: cache the recurrent state at block boundaries ("align"), and
-        # at prefix_match_unit granularity within them (partial-prefix checkpoints)
+        # hybrid models ("align"): a recurrent state exists only at a prefill chunk's end; vLLM
+        # keeps those at replay boundaries and junctions, plus every retention interval's
+        # multiple (0: none, docs/DESIGN.md "Memory budgets"), at prefix_match_unit
+        # granularity within a block (partial-prefix checkpoints)
         kw["mamba_cache_mode"] = "align"
         kw["prefix_match_unit"] = cfg.prefix_match_unit
         kw["prefix_cache_retention_interval"] = cfg.vllm_retention_interval
