@@ -4,6 +4,7 @@ as in the actors; each gets its own NIXL side-channel port)."""
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -79,6 +80,12 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
         msg = next_message(eng, q_in)
         if msg == "exit":
             break
+        if msg == "settle":  # step until the engine is idle: background work (a tail stage) done
+            deadline = time.monotonic() + 300
+            while eng.has_work() and time.monotonic() < deadline:
+                eng.step()
+            q_out.put(("settled", eng.has_work(), eng.background.tries))
+            continue
         rid, toks, max_tokens, *rest = msg  # rest: [corrupt[, checkpoints]]
         request = req(rid, toks, max_tokens)
         if len(rest) > 1:
@@ -160,6 +167,14 @@ class PdPair:
         request, ticket, prefill_tokens = self.qp_out.get(timeout=300)
         self.qd_in.put((request, ticket))
         return request, ticket, prefill_tokens, self.qd_out.get(timeout=300)
+
+    def settle(self) -> int:
+        """Let the prefill engine run its background work; returns the background
+        tries it has run so far."""
+        self.qp_in.put("settle")
+        tag, busy, tries = self.qp_out.get(timeout=400)
+        assert tag == "settled" and not busy, "the prefill engine did not go idle"
+        return int(tries)
 
     def __exit__(self, *exc: object) -> None:
         self.qp_in.put("exit")

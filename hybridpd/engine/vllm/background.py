@@ -1,4 +1,4 @@
-"""Background requests on vLLM (answer checkpoints): ``BackgroundQueue``.
+"""Background requests on vLLM (answer checkpoints, a P/D prompt's tail stage): ``BackgroundQueue``.
 
 A background request (``EngineRequest.background``: a finished chat's prompt +
 answer, prefilled so that the next turn hits it) must never delay foreground
@@ -67,6 +67,10 @@ class BackgroundQueue:
 
     def finished(self) -> None:
         self.running = None
+
+    def forget(self, request_id: str) -> None:
+        """A request the engine queued for itself (no one reads its output) finished."""
+        self.arrival_hits.pop(request_id, None)
 
     def preempt(self) -> str | None:
         """Foreground work arrived: returns the running try's vLLM id to abort (the

@@ -40,7 +40,7 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +64,7 @@ from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, e
 from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
-from hybridpd.engine.vllm.stages import Stages
+from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
 from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import listen_ports
@@ -296,7 +296,8 @@ class VllmEngine:
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
         self._register(request)
         stages = self._stages(request, prefill_only)
-        hit = self.cached_hit(request) if stages else 0
+        tail = self._tail_stage(request, prefill_only)
+        hit = self.cached_hit(request) if stages or tail else 0
         first = self.stages.start(request, tuple((p, n) for p, n in stages if p > hit))
         try:
             if first is not None:
@@ -307,6 +308,8 @@ class VllmEngine:
             self.stages.abort(request.request_id)
             raise
         self.live[request.request_id] = _Live(request, prefill_only)
+        if tail is not None and tail.position > hit and len(self.background.queued) < TAIL_QUEUE_LIMIT:
+            self.background.add(tail.request, 0)  # runs once no foreground request is live
         preempted = self.background.preempt()
         if preempted is not None:  # never let a background prefill hold a chunk foreground work needs
             self.engine.abort_request([preempted])
@@ -351,9 +354,8 @@ class VllmEngine:
         ``hit`` (what the prompt finds cached: a prefix below it would recompute
         what is cached): ``checkpoints.staged_checkpoints`` of the tokens this
         engine computes (at most ``max_extra_checkpoints`` requested ones, and the
-        router's placement), and on a P/D prefill whose truncation drops a unit
-        from its tail, the prompt's own tail (``truncated_tail_stage``: a next turn
-        extending the prompt hits it, as on one engine). None on a decode engine,
+        router's placement; the prompt's own tail on a P/D prefill, ``_tail_stage``,
+        runs in the background after it and is not one of them). None on a decode engine,
         without prefix caching, or where vLLM cannot hit at unit granularity
         (``mamba_partial_cache_hit``: then it hits whole blocks only)."""
         return tuple((p, n) for p, n in self._stages(request, prefill_only) if p > hit)
@@ -362,22 +364,44 @@ class VllmEngine:
         """``checkpoint_plan`` before the hit is known (the hit costs a store lookup)."""
         if not self.cfg.enable_prefix_caching or self.role == "decode":
             return ()
-        n, computed = len(request.prompt_token_ids), self.computed_prompt_tokens(request, prefill_only)
-        tail = truncated_tail_stage(n, computed, self.unit, self.drop_eagle_block) if computed < n else None
-        if not (request.checkpoints or request.placement or tail):
+        if not (request.checkpoints or request.placement):
             return ()
         if not self.partial_hits:
             log_once("vLLM hits whole blocks only here (no partial hash hits): extra checkpoints are not staged")
             return ()
-        plan = staged_checkpoints(
+        return staged_checkpoints(
             request.checkpoints,
-            computed,
+            self.computed_prompt_tokens(request, prefill_only),
             self.unit,
             self.drop_eagle_block,
             self.cfg.max_extra_checkpoints,
             placed=request.placement,
         )
-        return (*plan, tail) if tail is not None else plan
+
+    def _tail_stage(self, request: EngineRequest, prefill_only: bool) -> TailStage | None:
+        """The background prefix that leaves ``request``'s own tail where its P/D
+        truncation drops it a unit (``checkpoints.truncated_tail_stage``): after the
+        prompt it hits the truncated tail and computes ``u + 1`` tokens (an answer
+        prefill's terms: only while no foreground request is live, aborted for one
+        that arrives). None off a P/D prefill, or where vLLM hits whole blocks only."""
+        n, computed = len(request.prompt_token_ids), self.computed_prompt_tokens(request, prefill_only)
+        if computed == n or not self.cfg.enable_prefix_caching or not self.partial_hits:
+            return None
+        found = truncated_tail_stage(n, computed, self.unit, self.drop_eagle_block)
+        if found is None:
+            return None
+        position, length = found
+        sampling = replace(request.sampling, max_tokens=1, stop_token_ids=(), ignore_eos=True)
+        prefix = replace(
+            request,
+            request_id=RequestId(request.request_id + TAIL_SUFFIX),
+            prompt_token_ids=request.prompt_token_ids[:length],
+            sampling=sampling,
+            checkpoints=(),
+            placement=(),
+            background=True,
+        )
+        return TailStage(position, prefix)
 
     def _resume(self, request_id: str, cached: int) -> None:
         """A checkpoint prefix finished: submit the next one, or the prompt."""
@@ -421,6 +445,9 @@ class VllmEngine:
     def abort(self, request_id: RequestId | str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
+        tail = self.background.drop(request_id + TAIL_SUFFIX)  # its tail stage: no one waits for it
+        if tail is not None:
+            self.engine.abort_request([tail])
         if self.background.queued or self.background.running is not None:
             running = self.background.drop(request_id)
             if running is not None:
@@ -463,7 +490,9 @@ class VllmEngine:
             if background and out.finished:
                 self.background.finished()
             live = self.live.get(rid)
-            if live is None:  # aborted meanwhile (or a preempted background try)
+            if live is None:  # aborted meanwhile, a preempted background try, or a tail stage (ours)
+                if background and out.finished:
+                    self.background.forget(rid)
                 continue
             comp = out.outputs[0]
             tokens = tuple(comp.token_ids)

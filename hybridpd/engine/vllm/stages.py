@@ -34,6 +34,20 @@ from hybridpd.engine.base import EngineRequest, RequestId
 
 #: a prefix request's id is the prompt's id plus this and the checkpoint position
 STAGE_SEPARATOR = "::stage@"
+#: the background prefix that leaves a P/D prompt's own tail: the prompt's id plus this
+TAIL_SUFFIX = "::tail"
+#: tail stages wait behind at most this many background requests (under steady load
+#: they would never run: a later prompt's own tail supersedes an old one's anyway)
+TAIL_QUEUE_LIMIT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TailStage:
+    """A P/D prompt's own tail (``checkpoints.truncated_tail_stage``), left by a
+    background request (``request``: the prefix, ``background=True``) after it."""
+
+    position: int
+    request: EngineRequest
 
 
 @dataclass(slots=True)
