@@ -42,10 +42,11 @@ def load_spread(before: dict[str, int] | None, after: dict[str, int] | None) -> 
 
 def prefill_cache(client: httpx.Client, url: str) -> dict[str, float] | None:
     """What the prefill instances' engines hold in their prefix caches now, summed
-    over the instances: ``cached_blocks`` (pool pages with a prefix hash: KV and
-    recurrent-state pages alike, ``PoolStats.num_cached_blocks``) and
-    ``cached_mib`` (the pages' bytes, ``PoolStats.block_bytes`` each); None where
-    ``url`` is not our stack."""
+    over the instances: ``cached_blocks`` (``PoolStats.num_cached_blocks``: on
+    vLLM its prefix-cache entries, one per (hash, group) key, KV and recurrent
+    state alike; a block that holds a partial entry besides its full one counts
+    twice) and ``cached_mib`` (those at ``PoolStats.block_bytes`` each); None
+    where ``url`` is not our stack."""
     resp = client.get(url + "/v1/hybridpd/stats", timeout=60)
     if resp.status_code == 404:
         return None

@@ -618,7 +618,8 @@ class VllmEngine:
         total = pool.num_gpu_blocks - 1 if pool is not None else 0  # vLLM reserves one null block
         free = pool.get_num_free_blocks() if pool is not None else 0
         running = sum(1 for v in self.live.values())
-        # distinct (hash, group) keys: each names one cached page of one KV cache group
+        # prefix-cache entries, (hash, group) keys: O(1); a page holding a partial entry besides
+        # its full one counts twice (counting pages would walk the pool on every load report)
         cached = len(pool.cached_block_hash_to_block) if pool is not None else 0
         return PoolStats(total, free, cached, 0, 0, running, 0, self._page_bytes())
 
