@@ -139,13 +139,15 @@ def bench_growing_streams(
             "nocache",
             "stack-vllm",
             "stack-vllm-retain-dense",
+            "stack-vllm-1p1d",
             "vllm-direct",
             "vllm-pd",
         ]
     ),
     help="Run only these variants and merge them into the same workload's results already in --json"
     " (stack-vllm, our stack on the vLLM engine, stack-vllm-retain-dense, the same with vLLM's retention"
-    " interval at its scheduler block, vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
+    " interval at its scheduler block, stack-vllm-1p1d, the same with one prefill actor,"
+    " vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
     " need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(

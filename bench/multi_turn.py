@@ -368,7 +368,25 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
         out["stack_vllm_ttft_ratio"] = a / b if a and b else None
         out["stack_vllm_ttft_ok"] = bool(a and b and a / b <= STACK_VLLM_TTFT_MAX)
         out["stack_vllm_same_run"] = same_run(list(sv.get("provenance", [])) + list(svp.get("provenance", [])))
+    pd = variants.get("vllm-pd")
+    if sv is not None and pd is not None:
+        out.update(_against_vllm_pd(sv, pd))
     return out
+
+
+def _against_vllm_pd(sv: dict[str, Any], pd: dict[str, Any]) -> dict[str, Any]:
+    """#25's budget on multi-turn: stack-vllm caches a larger share of its prompt
+    tokens than vllm-pd (rounds >= 2; the two tokenize their answers differently, so
+    shares, not counts) and its TTFT p50 is below vllm-pd's."""
+    shares = [v["cached_tokens_per_request"] / v["prompt_tokens_per_request"] for v in (sv, pd)]
+    a, b = sv.get("ttft_p50_ms"), pd.get("ttft_p50_ms")
+    return {
+        "stack_vllm_cached_share": shares[0],
+        "vllm_pd_cached_share": shares[1],
+        "stack_vllm_cached_above_vllm_pd": shares[0] > shares[1],
+        "stack_vllm_ttft_p50_vs_vllm_pd": a / b if a and b else None,
+        "stack_vllm_ttft_below_vllm_pd": bool(a and b and a < b),
+    }
 
 
 def _commits(v: dict[str, Any]) -> set[str]:

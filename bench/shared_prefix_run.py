@@ -204,6 +204,11 @@ STACK_VLLM_ARGS = (
     *("--max-model-len", "4096", "--max-num-batched-tokens", "4096", "--checkpoint-policy", "branch-aware"),
     "--vllm-placement",
 )
+#: stack-vllm with one prefill actor: engine for engine what vllm-pd runs (one prefill and
+#: one decode engine), to measure what the second prefill engine costs on these cores
+STACK_VLLM_1P1D = "stack-vllm-1p1d"
+#: every variant that is our stack on the vLLM engine (run from the vLLM environment)
+STACK_VLLM_VARIANTS = (STACK_VLLM, STACK_VLLM_DENSE, STACK_VLLM_1P1D)
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
@@ -226,6 +231,9 @@ def variants(w: Workload) -> dict[str, list[str]]:
         STACK_VLLM: ["--prefix-match-unit", str(w.unit), *STACK_VLLM_ARGS, *common[4:]],
     }
     out[STACK_VLLM_DENSE] = [*out[STACK_VLLM], "--vllm-retention-interval", str(TINY_SCHEDULER_BLOCK)]
+    one = list(out[STACK_VLLM])
+    one[one.index("--num-prefill") + 1] = "1"
+    out[STACK_VLLM_1P1D] = one
     if "checkpoint_placement" in HybridPDConfig.model_fields:  # #27: placement's own effect
         out[PLACEMENT_OFF] = [*common, "--checkpoint-policy", "branch-aware", "--checkpoint-placement", "off"]
         out["tail-only"] += ["--checkpoint-placement", "off"]
@@ -302,7 +310,7 @@ def run(
         with tempfile.TemporaryDirectory(prefix="hybridpd-bench-") as tmp:
             if name in VLLM_VARIANTS:
                 got = _run_vllm(name, plan, w, Path(tmp))
-            elif name in (STACK_VLLM, STACK_VLLM_DENSE):
+            elif name in STACK_VLLM_VARIANTS:
                 got = _run_stack_vllm(args, plan, w, Path(tmp))
             elif name == ROUTERS_VARIANT:
                 from bench.routers import attached_routers
@@ -316,7 +324,7 @@ def run(
 
     fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
     results, notes = measure_variants(
-        fns, repeats, {n: vllm_venv() for n in fns if n in (*VLLM_VARIANTS, STACK_VLLM, STACK_VLLM_DENSE)}
+        fns, repeats, {n: vllm_venv() for n in fns if n in (*VLLM_VARIANTS, *STACK_VLLM_VARIANTS)}
     )
     if only:
         results = {**previous_variants(json_path, asdict(w), quick), **results}
@@ -381,6 +389,26 @@ def _retention_checks(results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
+    """#25's TTFT budget: ``stack-vllm`` (2 prefill + 1 decode) and, where it ran,
+    ``stack-vllm-1p1d`` (engine for engine vllm-pd's two) against ``vllm-pd``, the TTFT
+    p50 ratio per phase (medians of the repeats) and the phases where ours is not below."""
+    if "vllm-pd" not in results:
+        return {}
+    pd = results["vllm-pd"]["phases"]
+    out: dict[str, Any] = {}
+    for name in (STACK_VLLM, STACK_VLLM_1P1D):
+        if name not in results:
+            continue
+        key = name.replace("-", "_")
+        ours = results[name]["phases"]
+        ratios = {p: x["ttft_p50_ms"] / pd[p]["ttft_p50_ms"] for p, x in ours.items() if p in pd}
+        out[key + "_ttft_p50_vs_vllm_pd"] = {p: round(r, 3) for p, r in ratios.items()}
+        out[key + "_ttft_not_below_vllm_pd"] = sorted(p for p, r in ratios.items() if not r < 1.0)
+        out[key + "_ttft_below_vllm_pd"] = not out[key + "_ttft_not_below_vllm_pd"]
+    return out
+
+
 def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
     """``branch-aware`` and ``stack-vllm`` at least ``bound`` of the ideal on every
     phase (counted requests); ``stack-vllm`` above ``vllm-direct`` and ``vllm-pd``
@@ -423,6 +451,7 @@ def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
         )
         out["stack_vllm_above_vllm_or_ideal"] = not out["stack_vllm_not_above_or_ideal"]
         out.update(_retention_checks(results))
+        out.update(_ttft_checks(results))
         out["stack_vllm_same_run"] = same_run(
             [r for n in (STACK_VLLM, *theirs) for r in results[n].get("provenance", [])]
         )

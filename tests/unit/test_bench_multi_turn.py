@@ -241,6 +241,14 @@ def test_checks_stack_vllm() -> None:
     assert out["stack_vllm_ttft_ratio"] == pytest.approx(30.0 / 28.0) and out["stack_vllm_ttft_ok"]
     slow = [dict(r, ttft_ms=r["ttft_ms"] * 1.2) for r in cached]
     assert not checks({**v, "stack-vllm": _variant(slow)}, u)["stack_vllm_ttft_ok"]
+    assert "stack_vllm_ttft_below_vllm_pd" not in out
+    # #25: against vLLM's own P/D, the cached share of the prompt above and the TTFT p50 below
+    pd = [rec(1, 1, 278, 0, ttft=50.0), rec(1, 2, 460, 272, ttft=35.0), rec(1, 3, 642, 448, ttft=35.0)]
+    out = checks({**v, "vllm-pd": _variant(pd)}, u)
+    assert out["stack_vllm_cached_above_vllm_pd"] and out["stack_vllm_ttft_below_vllm_pd"]
+    assert out["stack_vllm_ttft_p50_vs_vllm_pd"] == pytest.approx(30.0 / 35.0)
+    fast = [dict(r, ttft_ms=20.0) for r in pd]
+    assert not checks({**v, "vllm-pd": _variant(fast)}, u)["stack_vllm_ttft_below_vllm_pd"]
     over = [rec(1, 1, 278, 0), rec(1, 2, 460, 272), rec(1, 3, 642, 576)]  # round 2 recomputes the answer
     out = checks({**v, "stack-vllm": _variant(over)}, u)
     assert out["stack_vllm_over_bound"] == ["repeat 1: user1/round2"] and not out["stack_vllm_ok"]

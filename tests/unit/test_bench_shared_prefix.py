@@ -180,7 +180,7 @@ def test_checks_stack_vllm_against_vllm() -> None:
 
     def variant(ratios: dict[str, float], started: float, commit: str = "c0") -> dict:
         prov = {"commit": commit, "dirty": False, "started": started, "ended": started + 60.0}
-        phases = {p: {"hit_ratio": r} for p, r in ratios.items()}
+        phases = {p: {"hit_ratio": r, "ttft_p50_ms": 50.0} for p, r in ratios.items()}
         return {"phases": phases, "prompt_tokens_match": True, "provenance": [prov]}
 
     ours = variant({"fanout_ids": 1.0, "tree_ids": 0.95}, 0.0)
@@ -203,3 +203,23 @@ def test_checks_stack_vllm_against_vllm() -> None:
     assert not out["stack_vllm_ok"] and out["stack_vllm_below"] == ["tree_ids"] and out["stack_vllm_above_vllm"]
     later = variant({"fanout_ids": 0.0, "tree_ids": 0.78}, 140.0, commit="c1")
     assert not checks({"stack-vllm": ours, "vllm-direct": direct, "vllm-pd": later})["stack_vllm_same_run"]
+
+
+def test_ttft_checks_against_vllm_pd() -> None:
+    """Issue #25: stack-vllm's and stack-vllm-1p1d's TTFT p50 per phase against
+    vllm-pd's, with the phases where ours is not below (a tie is not below)."""
+    from bench.shared_prefix_run import checks
+
+    def variant(ttfts: dict[str, float]) -> dict:
+        phases = {p: {"hit_ratio": 1.0, "ttft_p50_ms": t} for p, t in ttfts.items()}
+        return {"phases": phases, "prompt_tokens_match": True, "provenance": []}
+
+    pd = variant({"fanout_ids": 80.0, "tree_ids": 60.0})
+    out = checks({"stack-vllm": variant({"fanout_ids": 40.0, "tree_ids": 60.0}), "vllm-pd": pd})
+    assert out["stack_vllm_ttft_p50_vs_vllm_pd"] == {"fanout_ids": 0.5, "tree_ids": 1.0}
+    assert out["stack_vllm_ttft_not_below_vllm_pd"] == ["tree_ids"] and not out["stack_vllm_ttft_below_vllm_pd"]
+    assert "stack_vllm_1p1d_ttft_below_vllm_pd" not in out
+    one = variant({"fanout_ids": 79.0, "tree_ids": 59.9})
+    out = checks({"stack-vllm": variant({"fanout_ids": 90.0, "tree_ids": 61.0}), "stack-vllm-1p1d": one, "vllm-pd": pd})
+    assert out["stack_vllm_1p1d_ttft_below_vllm_pd"] and out["stack_vllm_1p1d_ttft_not_below_vllm_pd"] == []
+    assert out["stack_vllm_ttft_not_below_vllm_pd"] == ["fanout_ids", "tree_ids"]

@@ -52,7 +52,8 @@ def req(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None) -
 
 def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     """Run prompts ``(rid, tokens[, checkpoints])`` one after another; report
-    tokens and cached tokens per prompt (and ``_prefixes``: checkpoint prefixes run)."""
+    tokens and cached tokens per prompt (and ``_prefixes``: checkpoint prefixes run,
+    ``_released``: those released before their sampled token)."""
     eng = _engine("local", overrides)
     out = {}
     for rid, toks, *positions in prompts:
@@ -66,6 +67,7 @@ def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, o
         out[rid] = {"tokens": got, "cached": cached}
     out["_stats"] = eng.stats()
     out["_prefixes"] = eng.stages.prefixes_run
+    out["_released"] = eng.stages.prefixes_released
     q_out.put(out)
 
 

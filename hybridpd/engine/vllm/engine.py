@@ -196,6 +196,8 @@ class VllmEngine:
         self.prefill_backoff = self._prefill_backoff() if role == "prefill" else 0
         #: prompts waiting for their checkpoint prefixes (``stages.py``)
         self.stages = Stages()
+        #: checkpoint prefixes in vLLM: our request id -> (vLLM's request id, prefix length)
+        self._prefixes: dict[str, tuple[str, int]] = {}
         #: background requests (answer checkpoints), run only while no foreground one is live
         self.background = BackgroundQueue()
         sched = getattr(self._core(), "scheduler", None)
@@ -275,7 +277,9 @@ class VllmEngine:
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
-        self.engine.add_request(req.request_id, prompt, self._sampling(req, max_tokens, transfer))
+        internal = self.engine.add_request(req.request_id, prompt, self._sampling(req, max_tokens, transfer))
+        if self.stages.is_prefix(req.request_id):  # released once its checkpoint is written
+            self._prefixes[req.request_id] = (str(internal), len(req.prompt_token_ids))
 
     def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
         """Queue ``request``; ``prefill_only`` stops after the first token and keeps
@@ -515,7 +519,33 @@ class VllmEngine:
             outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
             if out.finished:
                 del self.live[rid]
+        self._release_prefixes()
         return outputs
+
+    def _release_prefixes(self) -> None:
+        """Checkpoint prefixes whose chunk up to their last token ran this step:
+        vLLM wrote (and keyed) the state at their checkpoint when it scheduled that
+        chunk, so each is aborted before its one sampled token and the next prefix,
+        or the prompt, goes on at once (one engine step per prefix instead of two;
+        the checkpoint stays cached as a finished prefix's does, the freed blocks
+        keep their keys)."""
+        if not self._prefixes:
+            return
+        core = self._core()
+        for rid, (internal, length) in list(self._prefixes.items()):
+            if not self.stages.is_prefix(rid):  # finished, or its prompt was aborted
+                del self._prefixes[rid]
+                continue
+            vreq = core.scheduler.requests.get(internal) if core is not None else None
+            stats = getattr(vreq, "prefill_stats", None)
+            if vreq is None or stats is None or vreq.num_computed_tokens < length - 1:
+                continue
+            if getattr(vreq, "num_in_flight_tokens", 0):
+                continue
+            del self._prefixes[rid]
+            self.engine.abort_request([rid])
+            self.stages.prefixes_released += 1
+            self._resume(rid, int(stats.num_cached_tokens))
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
         """Run ``requests`` to completion (tests, benchmarks)."""

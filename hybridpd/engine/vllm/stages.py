@@ -8,7 +8,10 @@ boundaries; it takes no positions from a request. A checkpoint at a position
 is ``p`` (``checkpoints.stage_length``: ``p + 1`` tokens, with EAGLE ``p + u +
 1``) as a request of its own, one sampled token, before the prompt; the
 prompt then hits ``p`` through vLLM's own prefix cache. Several positions run
-as a chain of prefixes, each hitting the one before.
+as a chain of prefixes, each hitting the one before. A prefix is released (aborted)
+as soon as vLLM has run it up to its last token (``VllmEngine._release_prefixes``):
+its state at ``p`` was written and keyed when vLLM scheduled that chunk, and the
+next prefix or the prompt goes on in the next step.
 
 Why prefixes and not a scheduler that ends a chunk at ``p``: a chunk split
 writes the state at ``p``, but the attention side keeps a sub-block prefix
@@ -17,9 +20,9 @@ fills (``BlockPool.cache_full_blocks``: partial -> full promotion removes the
 block's other keys), so a request sharing ``[0, p)`` would find the state and
 no attention hit for it. A prefix's tail survives: the prompt that continues
 from it copies the partial block (vLLM's partial-hit copy-on-write) and the
-cached block stays as it was. The cost: one extra token per checkpoint
-(``u + 1`` with EAGLE) and one engine step each (a chunk split costs the step
-too); a prefix that is cached already costs its one token.
+cached block stays as it was. The cost: one engine step per checkpoint (a
+chunk split costs the step too; ``u`` extra tokens with EAGLE); a prefix that is
+cached already costs its one token.
 
 Usage reported for the prompt counts only what was cached before it arrived:
 a prefix that computed more than its one probe token ends the hit
@@ -75,6 +78,8 @@ class Stages:
     hits: dict[str, int] = field(default_factory=dict)
     #: prefix requests started (a counter for stats and tests)
     prefixes_run: int = 0
+    #: prefixes released before their sampled token (``VllmEngine._release_prefixes``)
+    prefixes_released: int = 0
 
     def start(self, request: EngineRequest, plan: tuple[tuple[int, int], ...]) -> EngineRequest | None:
         """Queue ``request`` behind ``plan`` (``checkpoints.staged_checkpoints``);
