@@ -63,7 +63,7 @@ from hybridpd.engine.base import (
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
 from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
-from hybridpd.engine.vllm.patches import nixl_without_progress_thread, one_gloo_device
+from hybridpd.engine.vllm.patches import kept_cpu_affinity, nixl_without_progress_thread, one_gloo_device
 from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
 from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
@@ -173,7 +173,7 @@ class VllmEngine:
                 raise ConfigError("engine", "%s must be a positive page count" % KV_CACHE_BLOCKS_ENV)
             kw["num_gpu_blocks_override"] = kv_cache_blocks
         logger.info("%s: starting vLLM (%s) with %s", instance, role, kw)
-        with one_gloo_device():
+        with one_gloo_device(), kept_cpu_affinity():
             self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
         #: whether vLLM checkpoints junctions at their exact position (its scheduler's
         #: narrowed ``enable_mamba_shared_prefix_checkpoint``; None: no in-process scheduler)

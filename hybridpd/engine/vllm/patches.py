@@ -1,14 +1,19 @@
-"""Two process-wide adjustments vLLM needs to sit idle on a CPU without spinning.
+"""Process-wide adjustments for vLLM's engine running inside our actors on a CPU.
 
-Both are applied by ``VllmEngine`` while it builds its engine; they change
-vLLM's defaults, not its behaviour (see each docstring for why nothing is lost).
+Two let it sit idle without spinning, one keeps it from pinning itself to one core.
+All are applied by ``VllmEngine`` while it builds its engine; they change vLLM's
+defaults, not its behaviour (see each docstring for why nothing is lost).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 
 def nixl_without_progress_thread() -> None:
@@ -59,3 +64,39 @@ def one_gloo_device() -> Iterator[None]:
         yield
     finally:
         setattr(c10d, "ProcessGroupGloo", base)  # noqa: B010
+
+
+def _threads() -> set[int]:
+    return {int(t) for t in os.listdir("/proc/self/task")} if os.path.isdir("/proc/self/task") else set()
+
+
+@contextmanager
+def kept_cpu_affinity() -> Iterator[None]:
+    """The CPUs the building thread may run on are the same after vLLM builds its engine.
+
+    vLLM's NixlConnector worker on a CPU moves the calling thread to the last core of
+    each NUMA node (``os.sched_setaffinity(0, ...)`` in ``NixlConnectorWorker.__init__``:
+    in ``vllm serve`` its OpenMP threads, bound before, run the forward elsewhere and
+    that thread only moves KV). In our actors the engine runs in-process on the thread
+    that built it and on the threads created after (the engine loop, OpenMP's pool), so
+    every prefill and decode engine of a machine would compute on that one core. The
+    building thread, and the threads started meanwhile that inherited the pin, get the
+    CPUs they had back (what Ray, the container or the operator gave the actor)."""
+    get, put = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    if get is None or put is None:
+        yield
+        return
+    before, threads = get(0), _threads()
+    try:
+        yield
+    finally:
+        pinned = get(0)
+        if pinned != before:
+            logger.info("vLLM pinned its engine to CPUs %s: given back %s", sorted(pinned), sorted(before))
+            put(0, before)
+            for tid in _threads() - threads:
+                try:
+                    if get(tid) == pinned:
+                        put(tid, before)
+                except OSError:  # the thread ended meanwhile
+                    continue
