@@ -99,7 +99,7 @@ from starlette.background import BackgroundTask
 
 from bench.vllm_direct import VllmServer, interrupt, log_tail, tiny_model
 from hybridpd.errors import UnavailableError
-from hybridpd.procs import free_port, listen_ports
+from hybridpd.procs import free_port, listen_ports, split_cpus
 
 logger = logging.getLogger("bench.vllm_pd")
 
@@ -417,13 +417,6 @@ class VllmPd:
         self.stop()
         if exc is not None and dead:
             raise UnavailableError("vllm-pd failed while serving: " + "\n".join(dead)) from exc
-
-
-def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
-    """The prefill and the decode server's CPUs: the first and the second half of
-    ``cpus`` (one CPU: both get it)."""
-    half = max(1, len(cpus) // 2)
-    return list(cpus[:half]), list(cpus[half:] or cpus[:half])
 
 
 def _pythonpath() -> str:

@@ -222,10 +222,23 @@ class HybridPDConfig(BaseModel):
         description="Ray custom resource a decode actor needs one unit of (worker_groups placement).",
     )
     actor_num_gpus: float = Field(0.0, ge=0, le=16, description="GPUs each prefill/decode actor reserves in Ray.")
+    cpu_binding: Literal["auto", "split", "off"] = Field(
+        "auto",
+        description="Give prefill and decode actors their own CPUs, as P/D gives them their own devices: split"
+        " binds a prefill actor's engine to the first half of the CPUs its process may use and a decode actor's"
+        " to the second half (nothing with one CPU); auto: split for the vLLM engine on device cpu with"
+        " actor_placement any (both roles on one machine: vllm serve binds its CPU engines too), else off.",
+    )
     store_host: str = Field(
         "127.0.0.1",
         description="Address the MooncakeStore client of each prefill actor advertises; 'auto' = the Ray node IP.",
     )
+
+    def cpu_split(self) -> bool:
+        """``cpu_binding`` resolved: whether actors bind their engines to their role's CPUs."""
+        if self.cpu_binding == "auto":
+            return self.engine == "vllm" and self.device == "cpu" and self.actor_placement == "any"
+        return self.cpu_binding == "split"
 
     @model_validator(mode="before")
     @classmethod

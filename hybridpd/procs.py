@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from hybridpd.errors import UnavailableError
@@ -22,6 +23,39 @@ logger = logging.getLogger(__name__)
 
 #: Ray's GCS listens here by default; never give it to anything else.
 RAY_DEFAULT_PORT = 6379
+
+
+def split_cpus(cpus: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The prefill and the decode side's CPUs: the first and the second half of
+    ``cpus`` (one CPU: both get it).
+
+    >>> split_cpus([0, 1])
+    ([0], [1])
+    >>> split_cpus([0, 1, 2, 3, 4])
+    ([0, 1], [2, 3, 4])
+    >>> split_cpus([3])
+    ([3], [3])
+    """
+    half = max(1, len(cpus) // 2)
+    return list(cpus[:half]), list(cpus[half:] or cpus[:half])
+
+
+def bind_role_cpus(role: str) -> list[int] | None:
+    """Bind the calling thread (and the threads it starts afterwards: an actor's engine
+    loop, its OpenMP pool) to ``role``'s half of the CPUs it may use now
+    (:func:`split_cpus`; ``role``: prefill or decode). Returns those CPUs; None with
+    one CPU or where the platform has no affinity calls."""
+    get, put = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
+    if get is None or put is None:
+        return None
+    cpus = sorted(get(0))
+    if len(cpus) < 2:
+        return None
+    prefill, decode = split_cpus(cpus)
+    mine = prefill if role == "prefill" else decode
+    put(0, mine)
+    logger.info("%s engine bound to CPUs %s of %s", role, mine, cpus)
+    return mine
 
 
 def free_port(host: str = "127.0.0.1") -> int:

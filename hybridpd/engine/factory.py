@@ -43,7 +43,13 @@ def make_engine(
     ``cache_events`` makes a vLLM engine publish its KV-cache events, which it turns
     into ``pop_cache_events`` (the native engine always records them); ``store``
     (Mooncake master, metadata URL) gives a vLLM prefill engine the shared prefix store
-    through its own connector."""
+    through its own connector. A prefill or decode engine under ``cfg.cpu_split()``
+    (``cpu_binding``) runs on its role's half of the CPUs (``procs.bind_role_cpus``:
+    the calling thread, and the threads it starts afterwards, are bound first)."""
+    if role != "local" and cfg.cpu_split():
+        from hybridpd.procs import bind_role_cpus
+
+        bind_role_cpus(role)
     if cfg.engine == "vllm":
         from hybridpd.engine.vllm.engine import VllmEngine
 

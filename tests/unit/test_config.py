@@ -140,3 +140,49 @@ def test_dtype_auto_resolves_per_engine(overrides: dict[str, object], want: str)
 )
 def test_eagle_replays_a_unit_only_on_the_vllm_engine(overrides: dict[str, object], want: bool) -> None:
     assert load_config(env={}, overrides=overrides).eagle_replay is want
+
+
+@pytest.mark.parametrize(
+    ("overrides", "split"),
+    [
+        ({"engine": "vllm"}, True),  # auto: vLLM on CPU, both roles on one machine
+        ({"engine": "native"}, False),
+        ({"engine": "vllm", "actor_placement": "worker_groups"}, False),
+        ({"engine": "vllm", "device": "cuda"}, False),
+        ({"engine": "native", "cpu_binding": "split"}, True),
+        ({"engine": "vllm", "cpu_binding": "off"}, False),
+    ],
+)
+def test_cpu_binding_resolves(overrides: dict[str, object], split: bool) -> None:
+    assert load_config(env={}, overrides=overrides).cpu_split() is split
+
+
+def test_bind_role_cpus_binds_the_thread_and_its_children() -> None:
+    """Each role gets its half (procs.split_cpus); threads started afterwards inherit it;
+    the caller's other threads keep theirs. Run in threads of their own: affinity is per thread."""
+    import os
+    import threading
+
+    from hybridpd.procs import bind_role_cpus, split_cpus
+
+    cpus = sorted(os.sched_getaffinity(0))
+    got: dict[str, object] = {}
+
+    def role(name: str) -> None:
+        got[name] = bind_role_cpus(name)
+        child: list[list[int]] = []
+        t = threading.Thread(target=lambda: child.append(sorted(os.sched_getaffinity(0))))
+        t.start()
+        t.join()
+        got[name + "_child"] = child[0]
+
+    for name in ("prefill", "decode"):
+        t = threading.Thread(target=role, args=(name,))
+        t.start()
+        t.join()
+    assert sorted(os.sched_getaffinity(0)) == cpus
+    if len(cpus) < 2:
+        assert got["prefill"] is None and got["decode"] is None
+        return
+    prefill, decode = split_cpus(cpus)
+    assert got == {"prefill": prefill, "prefill_child": prefill, "decode": decode, "decode_child": decode}

@@ -5,7 +5,8 @@ NUMA node (in ``vllm serve`` that thread only moves KV); in our actors the engin
 computes on that thread's successors, so without the fix every prefill and decode
 engine of a machine runs on one core. Checked on a prefill engine (NixlConnector) in a
 fresh process: the building thread and a thread started afterwards (as the engine loop
-is) may run on every CPU the process had.
+is) may run on every CPU the process had, or on the prefill half of them under
+``cpu_binding: split`` (``procs.bind_role_cpus``, from ``make_engine``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.integration
 
 
-def _affinity_worker(q_out) -> None:  # type: ignore[no-untyped-def]
+def _affinity_worker(q_out, binding: str) -> None:  # type: ignore[no-untyped-def]
+    from hybridpd.config import load_config
+    from hybridpd.engine.factory import make_engine
     from hybridpd.procs import free_port
-    from tests.vllm.workers import _engine
+    from tests.vllm.workers import BASE
 
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
+    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     given = sorted(os.sched_getaffinity(0))
-    eng = _engine("prefill", {}, side_port=free_port())
+    eng = make_engine(load_config(env={}, overrides={**BASE, "cpu_binding": binding}), "prefill", instance="affinity")
     seen: list[list[int]] = []
     t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
     t.start()
@@ -36,14 +42,20 @@ def _affinity_worker(q_out) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a pin to one core changes nothing")
-def test_prefill_engine_keeps_the_cpus_it_was_given() -> None:
+@pytest.mark.parametrize("binding", ["off", "split"])
+def test_prefill_engine_keeps_the_cpus_it_was_given(binding: str) -> None:
+    """``off``: every CPU the process had; ``split`` (``cpu_binding``): the prefill
+    half, also where vLLM pins to a core outside it (the last one)."""
+    from hybridpd.procs import split_cpus
+
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_affinity_worker, args=(q,))
+    p = ctx.Process(target=_affinity_worker, args=(q, binding))
     p.start()
     try:
         got = q.get(timeout=600)
     finally:
         p.join(60)
     print(got)
-    assert got["after"] == got["given"] and got["new_thread"] == got["given"]
+    want = got["given"] if binding == "off" else split_cpus(got["given"])[0]
+    assert got["after"] == want and got["new_thread"] == want
