@@ -11,7 +11,6 @@ is) may run on every CPU the process had, or on the prefill half of them under
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 
@@ -47,15 +46,9 @@ def test_prefill_engine_keeps_the_cpus_it_was_given(binding: str) -> None:
     """``off``: every CPU the process had; ``split`` (``cpu_binding``): the prefill
     half, also where vLLM pins to a core outside it (the last one)."""
     from hybridpd.procs import split_cpus
+    from tests.vllm.workers import run_spawned
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_affinity_worker, args=(q, binding))
-    p.start()
-    try:
-        got = q.get(timeout=600)
-    finally:
-        p.join(60)
+    got = run_spawned(_affinity_worker, binding)
     print(got)
     want = got["given"] if binding == "off" else split_cpus(got["given"])[0]
     assert got["after"] == want and got["new_thread"] == want

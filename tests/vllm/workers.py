@@ -235,18 +235,24 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(5, 2048) for _ in range(n)]
 
 
-def run_local(prompts: list[tuple[Any, ...]], max_tokens: int, **overrides: Any) -> dict:
-    """``local_worker`` in a fresh spawned process (one vLLM engine per process)."""
+def run_spawned(target: Any, *args: Any, timeout_s: float = 600) -> Any:
+    """``target(queue, *args)`` in a fresh spawned process (one vLLM engine per
+    process); returns the first thing it puts on the queue."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=local_worker, args=(q, prompts, max_tokens, overrides))
+    p = ctx.Process(target=target, args=(q, *args))
     p.start()
     try:
-        return q.get(timeout=600)
+        return q.get(timeout=timeout_s)
     finally:
         p.join(60)
+
+
+def run_local(prompts: list[tuple[Any, ...]], max_tokens: int, **overrides: Any) -> dict:
+    """``local_worker`` in a fresh spawned process (one vLLM engine per process)."""
+    return run_spawned(local_worker, prompts, max_tokens, overrides)
 
 
 def reference_worker(
