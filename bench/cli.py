@@ -329,7 +329,9 @@ def bench_overhead(
     "--target",
     "targets",
     multiple=True,
-    type=click.Choice(["stack-native", "stack-vllm", "stack-vllm-1p1d", "vllm-direct", "vllm-pd"]),
+    type=click.Choice(
+        ["stack-native", "stack-vllm", "stack-vllm-1p1d", "stack-vllm-1p1d-no-placement", "vllm-direct", "vllm-pd"]
+    ),
     help="Run only these targets (repeatable; default: all).",
 )
 def bench_vllm_client(json_path: str, quick: bool, repeats: int, targets: tuple[str, ...]) -> None:

@@ -10,6 +10,8 @@ as an outside user would, against:
 * ``stack-vllm``: ``hybridpd up --engine vllm --model tiny`` (tiny Qwen3-Next);
 * ``stack-vllm-1p1d``: the same with one prefill and one decode actor, engine
   for engine what ``vllm-pd`` runs (``checks`` compare the two);
+* ``stack-vllm-1p1d-no-placement``: the same with ``--no-vllm-placement``
+  (no staged placed checkpoints): what placement costs on these workloads;
 * ``vllm-direct``: plain ``vllm serve`` of the same tiny Qwen3-Next (prefix
   caching at the same unit): what the vLLM engine alone gives, model for
   model with ``stack-vllm``;
@@ -140,6 +142,10 @@ def run(json_path: Path, quick: bool, repeats: int = 3, only: tuple[str, ...] = 
     tokenizer = Path(tiny_model(venv))
     prompts = 8 if quick else 32
     raw_dir = json_path.parent / (json_path.stem + "_runs")
+    one_p_one_d = [
+        *("--engine", "vllm", "--model", "tiny", "--num-prefill", "1", "--num-decode", "1"),
+        *("--max-model-len", "4096", "--max-num-batched-tokens", "4096"),
+    ]
     with tempfile.TemporaryDirectory(prefix="hybridpd-vllm-client-") as tmp:
         targets: dict[str, Callable[[], StackProcess | VllmServer | VllmPd]] = {
             "stack-native": lambda: StackProcess(Path(tmp) / "native", ["--max-model-len", "4096"]),
@@ -150,13 +156,10 @@ def run(json_path: Path, quick: bool, repeats: int = 3, only: tuple[str, ...] = 
                 venv / "bin" / "hybridpd",
             ),
             "stack-vllm-1p1d": lambda: StackProcess(
-                Path(tmp) / "vllm-1p1d",
-                [
-                    *("--engine", "vllm", "--model", "tiny", "--num-prefill", "1", "--num-decode", "1"),
-                    *("--max-model-len", "4096", "--max-num-batched-tokens", "4096"),
-                ],
-                900,
-                venv / "bin" / "hybridpd",
+                Path(tmp) / "vllm-1p1d", one_p_one_d, 900, venv / "bin" / "hybridpd"
+            ),
+            "stack-vllm-1p1d-no-placement": lambda: StackProcess(
+                Path(tmp) / "vllm-1p1d-np", [*one_p_one_d, "--no-vllm-placement"], 900, venv / "bin" / "hybridpd"
             ),
             "vllm-direct": lambda: VllmServer(venv, Path(tmp), 16, 4096),
             "vllm-pd": lambda: VllmPd(venv, Path(tmp), 16, 4096),

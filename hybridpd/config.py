@@ -86,6 +86,14 @@ class HybridPDConfig(BaseModel):
         description="Also place checkpoints on the vLLM engine, each staged as a prefix prefill (an engine step"
         " and a token each) past what the engine's local cache and MooncakeStore already hold.",
     )
+    vllm_stage_tokens: int = Field(
+        128,
+        ge=0,
+        le=1 << 20,
+        description="What the engine step a staged checkpoint costs on vLLM is worth, in prefill tokens:"
+        " checkpoint_placement=value places one there only if it is also expected to save the prefill of this"
+        " many tokens (a step's fixed cost: ~120 for the tiny model on 2 CPU cores). 0: steps are free.",
+    )
     vllm_retention_interval: int = Field(
         0,
         ge=0,

@@ -57,26 +57,43 @@ MAX_PLACED = 8
 HISTORY = 512
 #: pseudo-observations of the scale-free prior (its weight is PRIOR_WEIGHT / (PRIOR_WEIGHT + seen))
 PRIOR_WEIGHT = 4.0
+#: pseudo-observations of a prompt that shared a prefix (the sharing share is 1 before any prompt was seen)
+SHARE_PRIOR = 1.0
 
 
 class DivergenceHistory:
     """The suffix lengths ``q = N - known`` of the last :data:`HISTORY` prompts
-    that shared a prefix with an earlier one (``known >= unit``). One writer
-    (the router's event loop)."""
+    that shared a prefix with an earlier one (``known >= unit``), and whether
+    each of the last :data:`HISTORY` looked-up prompts did. One writer (the
+    router's event loop)."""
 
     def __init__(self, size: int = HISTORY) -> None:
         self.suffixes: deque[int] = deque(maxlen=size)
+        self.shared: deque[bool] = deque(maxlen=size)
+        self._num_shared = 0
 
     def __len__(self) -> int:
         return len(self.suffixes)
 
     def observe(self, num_tokens: int, known: int, unit: int) -> None:
+        if len(self.shared) == self.shared.maxlen:
+            self._num_shared -= self.shared[0]
+        self.shared.append(known >= unit)
+        self._num_shared += known >= unit
         if known >= unit and num_tokens > known:
             self.suffixes.append(num_tokens - known)
 
+    def share(self) -> float:
+        """``P(a prompt shares a prefix with an earlier one)``: the share of the
+        looked-up prompts seen that did, with :data:`SHARE_PRIOR` pseudo-observations
+        that did (1 before any was seen): on a stream that shares nothing
+        (random prompts) it falls as ``1 / (1 + seen)`` (``tests/unit/test_placement.py``)."""
+        return (self._num_shared + SHARE_PRIOR) / (len(self.shared) + SHARE_PRIOR)
+
     def depth_cdf(self, num_tokens: int, drop: int, unit: int, xs: np.ndarray) -> np.ndarray:
         """``P(D < x)`` for each ``x`` in ``xs``: the mixture of the seen suffixes
-        and the log-uniform prior, for a prompt of ``num_tokens``."""
+        and the log-uniform prior, for a prompt of ``num_tokens`` (given that a
+        later prompt shares a prefix with it)."""
         n = num_tokens
         seen = len(self.suffixes)
         lam = PRIOR_WEIGHT / (PRIOR_WEIGHT + seen)
@@ -250,6 +267,7 @@ def place(
     compute: ComputeModel = LINEAR_ONLY,
     interval: int = 0,
     min_gain: float = 0.0,
+    step_tokens: int = 0,
 ) -> tuple[int, ...]:
     """The positions ``policy`` (:data:`PLACEMENTS`) places for a prefill of
     ``[hit, num_tokens)`` that writes the checkpoints in ``fixed`` anyway
@@ -257,7 +275,13 @@ def place(
     most ``count`` (``interval``: every multiple, at most :data:`MAX_PLACED`,
     the deepest). Each is a position the engine can write (:func:`candidates`).
     ``value`` places one more only while it adds at least ``min_gain`` of this
-    prompt's prefill FLOPs to the expected saving (``placement_min_gain``)."""
+    prompt's prefill FLOPs to the expected saving (``placement_min_gain``).
+    Where each placed checkpoint costs an engine step (vLLM's staged prefixes:
+    ``step_tokens``, ``vllm_stage_tokens``) it must also save the prefill of
+    ``step_tokens``, and the saving is weighted by ``history.share()``: a
+    stream that shares nothing stops paying steps for it. Without a step cost
+    (native: mid-chunk snapshots, bounded by ``placement_share``) the value
+    given a sharer decides."""
     if policy not in PLACEMENTS:
         raise ValueError("unknown placement %r (have %s)" % (policy, ", ".join(PLACEMENTS)))
     if policy == "off" or (count <= 0 and policy != "interval"):
@@ -276,12 +300,15 @@ def place(
     hist = history if history is not None else DivergenceHistory()
     drop = unit if drop_eagle_block else 0
 
-    def cdf(xs: np.ndarray) -> np.ndarray:
-        return hist.depth_cdf(num_tokens, drop, unit, xs)
+    share = hist.share() if step_tokens > 0 else 1.0
+
+    def cdf(xs: np.ndarray) -> np.ndarray:  # no sharer (1 - share): D = 0, below every checkpoint
+        c = hist.depth_cdf(num_tokens, drop, unit, xs)
+        return c if share >= 1.0 else np.where(xs > 0, 1.0 - share + share * c, 0.0)
 
     free = [p for p in thinned(cands) if p not in taken]
     fixed_all = {hit, *taken} | ({tail} if tail is not None else set())
-    floor = min_gain * compute.prefix_flops(num_tokens)
+    floor = min_gain * compute.prefix_flops(num_tokens) + compute.prefix_flops(step_tokens)
     return value_positions(free, fixed_all, min(count, MAX_PLACED), cdf, compute, floor)
 
 

@@ -187,7 +187,8 @@ class Dispatcher:
         native engine writes them mid-chunk under its slot rules; the vLLM engine
         stages each as a prefix prefill (``engine/vllm/stages.py``: an engine step
         and a token each), so there any unit multiple past the hit is a candidate
-        (unless ``vllm_placement`` is off)."""
+        (unless ``vllm_placement`` is off), and each must also be expected to
+        save ``vllm_stage_tokens`` of prefill, the step it costs."""
         cfg = self.cfg
         if not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
             return ()
@@ -210,6 +211,7 @@ class Dispatcher:
                 self.divergence,
                 interval=cfg.placement_interval,
                 min_gain=cfg.placement_min_gain,
+                step_tokens=cfg.vllm_stage_tokens if cfg.engine == "vllm" else 0,
             )
         except Exception:  # placement is an optimisation: never fail a request for it
             logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)

@@ -179,3 +179,17 @@ def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
     assert _dispatcher(engine="vllm", vllm_placement=False).with_junction(req, _route(64, 64)) is req
     on_vllm = _dispatcher(engine="vllm").with_junction(req, _route(64, 64)).placement  # vllm_placement: default on
     assert 1 <= len(on_vllm) <= 2 and all(64 < p < 992 and p % 16 == 0 for p in on_vllm)
+
+
+def test_placement_on_a_stream_that_shares_nothing_stops_sooner_on_vllm() -> None:
+    """Random prompts (nothing known): on vLLM, where each placed checkpoint costs an
+    engine step (``vllm_stage_tokens``), the router stops placing after the first
+    prompts that share nothing; on native (no step) and with free steps it places on."""
+    req = EngineRequest(RequestId("r"), tuple(range(3, 1028)), SamplingParams())
+
+    def placed(d: Dispatcher) -> list[int]:
+        return [len(d.with_junction(req, _route(0, 0)).placement) for _ in range(30)]
+
+    native, vllm = placed(_dispatcher()), placed(_dispatcher(engine="vllm"))
+    assert native == [2] * 30 and placed(_dispatcher(engine="vllm", vllm_stage_tokens=0)) == native
+    assert vllm[0] == 1 and vllm[-1] == 0 and vllm == sorted(vllm, reverse=True) and sum(vllm) <= 3

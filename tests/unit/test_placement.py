@@ -213,3 +213,33 @@ def test_the_interval_must_be_a_unit_multiple_only_when_used() -> None:
     assert load_config(env={}, overrides={"prefix_match_unit": 48}).placement_interval == 1024
     with pytest.raises(ConfigError, match="placement_interval"):
         load_config(env={}, overrides={"prefix_match_unit": 48, "checkpoint_placement": "interval"})
+
+
+def test_a_step_per_checkpoint_places_fewer_where_the_step_weighs() -> None:
+    """``step_tokens`` (vLLM: each placed checkpoint is a staged prefix, an engine
+    step): a placement must also save that much prefill, which a short prompt's
+    cannot and a long prompt's easily does."""
+    assert len(place("value", 1024, 0, (), 2, 16, 16, 16, False, min_gain=0.05)) == 2
+    assert len(place("value", 1024, 0, (), 2, 16, 16, 16, False, min_gain=0.05, step_tokens=128)) == 1
+    assert place("value", 200, 0, (), 2, 16, 16, 16, False, min_gain=0.05, step_tokens=128) == ()
+    assert len(place("value", 8192, 0, (), 2, 16, 16, 16, False, min_gain=0.05, step_tokens=128)) == 2
+
+
+def test_where_steps_cost_a_stream_that_shares_nothing_stops_being_placed() -> None:
+    """Prompts that share no prefix (``known < unit``) lower the sharing share,
+    which weighs what a placement is expected to save where each costs a step
+    (``step_tokens``); sharing prompts raise it. Without a step cost the value
+    given a sharer decides (native: no step, bounded bytes)."""
+    h = DivergenceHistory()
+    counts, free = [], []
+    for _ in range(12):
+        h.observe(4096, 0, 16)
+        counts.append(len(place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=16)))
+        free.append(len(place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05)))
+    assert counts[0] == 2 and counts[-1] == 0 and counts == sorted(counts, reverse=True)
+    assert free == [2] * 12
+    assert h.share() == 1 / 13 and len(h) == 0
+    for _ in range(12):
+        h.observe(4096, 2048, 16)
+    assert h.share() == 13 / 25 and len(h) == 12
+    assert place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=16) != ()
