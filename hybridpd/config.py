@@ -91,8 +91,9 @@ class HybridPDConfig(BaseModel):
         ge=0,
         le=1 << 20,
         description="What the engine step a staged checkpoint costs on vLLM is worth, in prefill tokens:"
-        " checkpoint_placement=value places one there only if it is also expected to save the prefill of this"
-        " many tokens (a step's fixed cost: ~120 for the tiny model on 2 CPU cores). 0: steps are free.",
+        " checkpoint_placement=value places one there only if it also saves the prefill of this many tokens,"
+        " counted once per later sharer expected from the share of prompts that shared a prefix (a step's"
+        " fixed cost: ~120 for the tiny model on 2 CPU cores). 0: steps are free.",
     )
     vllm_retention_interval: int = Field(
         0,

@@ -57,15 +57,14 @@ MAX_PLACED = 8
 HISTORY = 512
 #: pseudo-observations of the scale-free prior (its weight is PRIOR_WEIGHT / (PRIOR_WEIGHT + seen))
 PRIOR_WEIGHT = 4.0
-#: pseudo-observations of a prompt that shared a prefix (the sharing share is 1 before any prompt was seen)
-SHARE_PRIOR = 1.0
+#: pseudo-observations of a prompt that shared a prefix; the most followers expected of one prompt
+SHARE_PRIOR, MAX_FOLLOWERS = 1.0, 8.0
 
 
 class DivergenceHistory:
     """The suffix lengths ``q = N - known`` of the last :data:`HISTORY` prompts
     that shared a prefix with an earlier one (``known >= unit``), and whether
-    each of the last :data:`HISTORY` looked-up prompts did. One writer (the
-    router's event loop)."""
+    each looked-up prompt did. One writer (the router's event loop)."""
 
     def __init__(self, size: int = HISTORY) -> None:
         self.suffixes: deque[int] = deque(maxlen=size)
@@ -84,11 +83,15 @@ class DivergenceHistory:
             self.suffixes.append(num_tokens - known)
 
     def share(self) -> float:
-        """``P(a prompt shares a prefix with an earlier one)``: the share of the
-        looked-up prompts seen that did, with :data:`SHARE_PRIOR` pseudo-observations
-        that did (1 before any was seen): on a stream that shares nothing
-        (random prompts) it falls as ``1 / (1 + seen)`` (``tests/unit/test_placement.py``)."""
+        """The share of the looked-up prompts seen that shared a prefix with an
+        earlier one, with :data:`SHARE_PRIOR` pseudo-observations that did (1
+        before any was seen; ``1 / (1 + seen)`` where none did)."""
         return (self._num_shared + SHARE_PRIOR) / (len(self.shared) + SHARE_PRIOR)
+
+    def followers(self) -> float:
+        """Later prompts expected to share one's prefix: ``s / (1 - s)`` (``s``: :meth:`share`), at most 8."""
+        s = self.share()
+        return MAX_FOLLOWERS if s >= 1.0 else min(s / (1.0 - s), MAX_FOLLOWERS)
 
     def depth_cdf(self, num_tokens: int, drop: int, unit: int, xs: np.ndarray) -> np.ndarray:
         """``P(D < x)`` for each ``x`` in ``xs``: the mixture of the seen suffixes
@@ -271,17 +274,15 @@ def place(
 ) -> tuple[int, ...]:
     """The positions ``policy`` (:data:`PLACEMENTS`) places for a prefill of
     ``[hit, num_tokens)`` that writes the checkpoints in ``fixed`` anyway
-    (requested positions; the hit and the tail are added here), ascending, at
-    most ``count`` (``interval``: every multiple, at most :data:`MAX_PLACED`,
-    the deepest). Each is a position the engine can write (:func:`candidates`).
-    ``value`` places one more only while it adds at least ``min_gain`` of this
-    prompt's prefill FLOPs to the expected saving (``placement_min_gain``).
-    Where each placed checkpoint costs an engine step (vLLM's staged prefixes:
-    ``step_tokens``, ``vllm_stage_tokens``) it must also save the prefill of
-    ``step_tokens``, and the saving is weighted by ``history.share()``: a
-    stream that shares nothing stops paying steps for it. Without a step cost
-    (native: mid-chunk snapshots, bounded by ``placement_share``) the value
-    given a sharer decides."""
+    (requested ones; the hit and the tail are added here), ascending, at most
+    ``count`` (``interval``: every multiple, the deepest :data:`MAX_PLACED`),
+    each one the engine can write (:func:`candidates`). ``value`` places one
+    more only while it adds ``min_gain`` of the prompt's prefill FLOPs to the
+    expected saving; where each costs an engine step (vLLM's staged prefixes:
+    ``step_tokens``) also the prefill of ``step_tokens``, the saving counted
+    once per later sharer expected (``history.followers()``: a stream that
+    shares nothing stops paying steps). Native (no step, bounded bytes): the
+    value for one sharer decides."""
     if policy not in PLACEMENTS:
         raise ValueError("unknown placement %r (have %s)" % (policy, ", ".join(PLACEMENTS)))
     if policy == "off" or (count <= 0 and policy != "interval"):
@@ -300,15 +301,16 @@ def place(
     hist = history if history is not None else DivergenceHistory()
     drop = unit if drop_eagle_block else 0
 
-    share = hist.share() if step_tokens > 0 else 1.0
+    followers = hist.followers() if step_tokens > 0 else 1.0
+    if followers <= 0.0:
+        return ()
 
-    def cdf(xs: np.ndarray) -> np.ndarray:  # no sharer (1 - share): D = 0, below every checkpoint
-        c = hist.depth_cdf(num_tokens, drop, unit, xs)
-        return c if share >= 1.0 else np.where(xs > 0, 1.0 - share + share * c, 0.0)
+    def cdf(xs: np.ndarray) -> np.ndarray:
+        return hist.depth_cdf(num_tokens, drop, unit, xs)
 
     free = [p for p in thinned(cands) if p not in taken]
     fixed_all = {hit, *taken} | ({tail} if tail is not None else set())
-    floor = min_gain * compute.prefix_flops(num_tokens) + compute.prefix_flops(step_tokens)
+    floor = (min_gain * compute.prefix_flops(num_tokens) + compute.prefix_flops(step_tokens)) / followers
     return value_positions(free, fixed_all, min(count, MAX_PLACED), cdf, compute, floor)
 
 

@@ -215,21 +215,38 @@ def test_the_interval_must_be_a_unit_multiple_only_when_used() -> None:
         load_config(env={}, overrides={"prefix_match_unit": 48, "checkpoint_placement": "interval"})
 
 
-def test_a_step_per_checkpoint_places_fewer_where_the_step_weighs() -> None:
+def _history(shared: int, alone: int) -> DivergenceHistory:
+    h = DivergenceHistory()
+    for _ in range(shared):
+        h.observe(3000, 2965, 16)  # left a known prefix 35 tokens before its end
+    for _ in range(alone):
+        h.observe(3000, 0, 16)  # shared nothing
+    return h
+
+
+def test_a_step_per_checkpoint_is_paid_by_the_sharers_expected() -> None:
     """``step_tokens`` (vLLM: each placed checkpoint is a staged prefix, an engine
-    step): a placement must also save that much prefill, which a short prompt's
-    cannot and a long prompt's easily does."""
-    assert len(place("value", 1024, 0, (), 2, 16, 16, 16, False, min_gain=0.05)) == 2
-    assert len(place("value", 1024, 0, (), 2, 16, 16, 16, False, min_gain=0.05, step_tokens=128)) == 1
-    assert place("value", 200, 0, (), 2, 16, 16, 16, False, min_gain=0.05, step_tokens=128) == ()
-    assert len(place("value", 8192, 0, (), 2, 16, 16, 16, False, min_gain=0.05, step_tokens=128)) == 2
+    step): a placement must also save that much prefill, counted once per later
+    sharer expected (``followers``: ``s / (1 - s)``). One sharer per prompt: a
+    short prompt pays for none, a long one for both; four: the short one for one;
+    one in five: only the long one's first. Without a step cost the count is the
+    value for one sharer's (native)."""
+
+    def count(h: DivergenceHistory, n: int, step: int = 128) -> int:
+        return len(place("value", n, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=step))
+
+    one, four, rare = _history(1, 2), _history(3, 1), _history(0, 5)
+    assert (one.share(), one.followers()) == (0.5, 1.0) and rare.followers() < 0.25 < 3.9 < four.followers()
+    assert [count(one, n) for n in (200, 1024, 8192)] == [0, 1, 2]
+    assert [count(four, n) for n in (200, 1024, 8192)] == [1, 2, 2]
+    assert [count(rare, n) for n in (200, 1024, 8192)] == [0, 0, 1]
+    assert all(count(h, n, 0) == 2 for h in (one, four, rare) for n in (200, 1024, 8192))
 
 
 def test_where_steps_cost_a_stream_that_shares_nothing_stops_being_placed() -> None:
     """Prompts that share no prefix (``known < unit``) lower the sharing share,
-    which weighs what a placement is expected to save where each costs a step
-    (``step_tokens``); sharing prompts raise it. Without a step cost the value
-    given a sharer decides (native: no step, bounded bytes)."""
+    hence the sharers expected; sharing prompts raise it. Without a step cost
+    the value for one sharer decides (native: no step, bounded bytes)."""
     h = DivergenceHistory()
     counts, free = [], []
     for _ in range(12):
@@ -238,7 +255,7 @@ def test_where_steps_cost_a_stream_that_shares_nothing_stops_being_placed() -> N
         free.append(len(place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05)))
     assert counts[0] == 2 and counts[-1] == 0 and counts == sorted(counts, reverse=True)
     assert free == [2] * 12
-    assert h.share() == 1 / 13 and len(h) == 0
+    assert h.share() == 1 / 13 and len(h) == 0 and DivergenceHistory().followers() == 8.0
     for _ in range(12):
         h.observe(4096, 2048, 16)
     assert h.share() == 13 / 25 and len(h) == 12
