@@ -87,13 +87,13 @@ class HybridPDConfig(BaseModel):
         " and a token each) past what the engine's local cache and MooncakeStore already hold.",
     )
     vllm_stage_tokens: int = Field(
-        128,
+        0,
         ge=0,
         le=1 << 20,
-        description="What the engine step a staged checkpoint costs on vLLM is worth, in prefill tokens:"
-        " checkpoint_placement=value places one there only if it also saves the prefill of this many tokens,"
-        " counted once per later sharer expected from the share of prompts that shared a prefix (a step's"
-        " fixed cost: ~120 for the tiny model on 2 CPU cores). 0: steps are free.",
+        description="What the engine step a staged checkpoint costs on vLLM is worth, in prefill tokens (a"
+        " step's fixed cost is ~120 for the tiny model on 2 CPU cores): checkpoint_placement=value then places"
+        " one there only if it also saves this much prefill, counted once per later sharer expected from the"
+        " share of prompts that shared a prefix. 0 (default): steps are free, as on native.",
     )
     vllm_retention_interval: int = Field(
         0,

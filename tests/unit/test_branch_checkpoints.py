@@ -182,14 +182,14 @@ def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
 
 
 def test_placement_on_a_stream_that_shares_nothing_stops_sooner_on_vllm() -> None:
-    """Random prompts (nothing known): on vLLM, where each placed checkpoint costs an
-    engine step (``vllm_stage_tokens``), the router stops placing after the first
-    prompts that share nothing; on native (no step) and with free steps it places on."""
+    """Random prompts (nothing known): on vLLM with a step cost (``vllm_stage_tokens``)
+    the router stops placing after the first prompts that share nothing; on
+    native (no step) and with free steps (the default) it places on."""
     req = EngineRequest(RequestId("r"), tuple(range(3, 1028)), SamplingParams())
 
     def placed(d: Dispatcher) -> list[int]:
         return [len(d.with_junction(req, _route(0, 0)).placement) for _ in range(30)]
 
-    native, vllm = placed(_dispatcher()), placed(_dispatcher(engine="vllm"))
-    assert native == [2] * 30 and placed(_dispatcher(engine="vllm", vllm_stage_tokens=0)) == native
+    native, vllm = placed(_dispatcher()), placed(_dispatcher(engine="vllm", vllm_stage_tokens=128))
+    assert native == [2] * 30 and placed(_dispatcher(engine="vllm")) == native  # default 0: steps are free
     assert vllm[0] == 1 and vllm[-1] == 0 and vllm == sorted(vllm, reverse=True) and sum(vllm) <= 3
