@@ -127,8 +127,12 @@ class DecodeWorker(WorkerBase):
 
     def _generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
         with self.loop.reserved(request.request_id):  # an abort during the fetch is not lost
-            fetched = self._fetch(prefill, request)
-            q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(request, fetched))
+            try:
+                fetched = self._fetch(prefill, request)
+                q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(request, fetched))
+            except BaseException:  # whatever stopped it (a cancel included) leaves no block pinned
+                self.loop.abort(request.request_id)
+                raise
         try:
             while True:
                 chunk = _next_chunk(q, request.request_id)
