@@ -96,13 +96,17 @@ class DecodeWorker(WorkerBase):
         with self.engine_errors():
             yield from self._generate(prefill, request)
 
-    def _fetch(self, prefill: PrefillResult, request: EngineRequest) -> HandoffTicket:
-        """The handoff's bytes, moved and verified by the engine (outside the engine lock)."""
+    def _fetch(self, prefill: PrefillResult, request: EngineRequest) -> HandoffTicket | None:
+        """The handoff's bytes, moved and verified by the engine (outside the engine lock);
+        None when the request was aborted already (nothing pinned, nothing read)."""
         ticket = prefill.ticket
         if ticket is None:
             raise InvalidRequestError("request %s has no handoff to continue" % request.request_id)
         t0 = time.perf_counter()
         with self.loop.lock:
+            # NOTE: under the lock that pins: an abort after this check finds the pins (and frees them)
+            if self.loop.aborted(request.request_id):
+                return None
             held = self.engine.prepare_handoff(request, ticket)
         try:
             fetched = self.engine.fetch_handoff(request, ticket)
@@ -129,7 +133,12 @@ class DecodeWorker(WorkerBase):
         with self.loop.reserved(request.request_id):  # an abort during the fetch is not lost
             try:
                 fetched = self._fetch(prefill, request)
-                q = self.loop.submit(request.request_id, lambda: self.engine.add_handoff(request, fetched))
+
+                def add() -> None:
+                    assert fetched is not None  # None only when aborted: submit then never calls add
+                    self.engine.add_handoff(request, fetched)
+
+                q = self.loop.submit(request.request_id, add)
             except BaseException:  # whatever stopped it (a cancel included) leaves no block pinned
                 self.loop.abort(request.request_id)
                 raise

@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -23,12 +25,22 @@ logger = logging.getLogger(__name__)
 
 
 class EngineLoop:
+    #: how long, and how many, aborts of ids not here yet are remembered (``abort``)
+    EARLY_ABORT_S = 60.0
+    MAX_REMEMBERED = 4096
+
     def __init__(self, engine: Engine, after_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.lock = threading.RLock()
         self.queues: dict[str, queue.Queue[RequestOutput | BaseException]] = {}
         #: requests a worker is preparing (``reserved``) -> aborted meanwhile
         self._reserved: dict[str, bool] = {}
+        #: aborts that came before their request: id -> when (``reserved`` consumes them).
+        #: A threaded actor does not run its calls in order: the router's abort can run
+        #: before the generate (or prefill) sent ahead of it
+        self._early: OrderedDict[str, float] = OrderedDict()
+        #: ids ``reserved`` here lately: an abort of one of them is late, not early
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self.after_step = after_step
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -43,12 +55,22 @@ class EngineLoop:
         with self.lock:
             if request_id in self.queues or request_id in self._reserved:
                 raise InvalidRequestError("request id %s is already running here" % request_id)
-            self._reserved[request_id] = False
+            self._reserved[request_id] = self._early.pop(request_id, None) is not None
+            self._seen[request_id] = None
+            self._seen.move_to_end(request_id)
+            while len(self._seen) > self.MAX_REMEMBERED:
+                self._seen.popitem(last=False)
         try:
             yield
         finally:
             with self.lock:
                 self._reserved.pop(request_id, None)
+
+    def aborted(self, request_id: str) -> bool:
+        """Whether reserved ``request_id`` was aborted already (before it got here, or
+        since): its worker should take nothing more for it (its ``submit`` ends it)."""
+        with self.lock:
+            return self._reserved.get(request_id, False)
 
     def submit(self, request_id: str, add: Callable[[], None]) -> queue.Queue[RequestOutput | BaseException]:
         """Run ``add()`` (which adds ``request_id`` to the engine) and return its output
@@ -76,13 +98,21 @@ class EngineLoop:
     def abort(self, request_id: str) -> bool:
         """Abort ``request_id`` in the engine; its reader gets a final ABORT output now
         (an engine need not emit one: vLLM's abort does not), so no reader waits on it.
-        A request still reserved (not submitted yet) is marked, and ends at its submit."""
+        A request still reserved (not submitted yet) is marked, and ends at its submit;
+        one not here yet (nor lately) is remembered, and its ``reserved`` marks it."""
         with self.lock:
             found = self.engine.abort(request_id)
             q = self.queues.pop(request_id, None)
             if request_id in self._reserved:
                 self._reserved[request_id] = True
                 found = True
+            elif not found and q is None and request_id not in self._seen:
+                now = time.monotonic()
+                self._early[request_id] = now
+                self._early.move_to_end(request_id)
+                stale = now - self.EARLY_ABORT_S
+                while len(self._early) > self.MAX_REMEMBERED or next(iter(self._early.values())) < stale:
+                    self._early.popitem(last=False)
         if q is not None:
             q.put(RequestOutput(RequestId(request_id), (), True, FinishReason.ABORT))
         self._wake.set()

@@ -137,6 +137,29 @@ def test_an_abort_before_submit_ends_the_request_at_submit() -> None:
         loop.close()
 
 
+def test_an_abort_before_the_request_arrives_ends_it_at_its_reserve() -> None:
+    """A threaded actor may run the router's abort before the call sent ahead of it."""
+    eng = ToyEngine()
+    loop = EngineLoop(eng)
+    try:
+        req = _req("a")
+        assert not loop.abort(req.request_id)  # nothing here yet: remembered
+        with loop.reserved(req.request_id):
+            assert loop.aborted(req.request_id)
+            q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        out = q.get(timeout=10)
+        assert not isinstance(out, BaseException) and out.finish_reason is FinishReason.ABORT
+        with loop.lock:
+            assert not eng.seqs and eng.steps == 0
+        with loop.reserved(req.request_id):  # consumed: the id runs normally afterwards
+            assert not loop.aborted(req.request_id)
+        assert not loop.abort(req.request_id)  # a late abort of an id seen here is not remembered
+        with loop.reserved(req.request_id):
+            assert not loop.aborted(req.request_id)
+    finally:
+        loop.close()
+
+
 def test_a_failing_step_fails_its_requests_not_the_loop() -> None:
     eng = ToyEngine()
     loop = EngineLoop(eng)
@@ -213,6 +236,18 @@ def test_a_consumer_going_away_aborts_the_decode(workers) -> None:  # type: igno
     first = next(gen)
     assert first.token_ids and not first.finished
     gen.close()  # what Ray does when the router drops the stream
+    with d.loop.lock:
+        assert not de.seqs
+
+
+def test_a_decode_aborted_before_it_starts_pins_and_reads_nothing(workers) -> None:  # type: ignore[no-untyped-def]
+    p, d, _, de = workers
+    req = _req("r1", max_tokens=100_000)
+    pr = p.prefill(PrefillCommand(req))
+    d.abort(req.request_id)  # the router's abort ran first (the client cancelled at once)
+    chunks = list(d.generate(pr, req))
+    assert len(chunks) == 1 and chunks[0].finished and chunks[0].finish_reason == "abort"
+    assert d.stats()["decode_handoffs"] == 0
     with d.loop.lock:
         assert not de.seqs
 
