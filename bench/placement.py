@@ -39,9 +39,10 @@ from typing import Any
 
 from bench.shared_prefix import PlannedRequest, Workload, build_plan, lcp
 from hybridpd.checkpoints import checkpoint_position, requested_checkpoints
+from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import slot_bytes
-from hybridpd.placement import DivergenceHistory, place
+from hybridpd.placement import place
 
 WORKLOADS = ("fanout", "tree", "twosharer", "growing")
 #: the fixed intervals the report tries (tokens)

@@ -19,12 +19,11 @@ the most prefill compute:
              requested positions and the placed ones; 0 if none)
     F(p)     the FLOPs a hit at p saves (``checkpoint_value.ComputeModel``)
 
-Every checkpoint costs the same bytes (one state), so at a fixed count this is
-the saved compute per state byte. ``P(D)`` comes from what the router saw:
+At a fixed count this is the saved compute per state byte. ``P(D)`` comes from what the router saw:
 the suffix lengths ``q = N' - known'`` of earlier prompts (``known'``: how far
 their KV was cached anywhere, i.e. where they left every known prefix), as
 ``D = N - q``, mixed with a scale-free prior (``q`` log-uniform on
-``[unit, N]``) that dominates while few were seen (:class:`DivergenceHistory`).
+``[unit, N]``) that dominates while few were seen (``divergence.DivergenceHistory``).
 
 :func:`value_positions` solves the choice exactly (the dynamic program of
 Sparse Prefix Caching, arXiv 2605.05219, over the candidate positions);
@@ -39,13 +38,13 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
 from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel
 from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid, planned_checkpoint
+from hybridpd.divergence import DivergenceHistory
 
 #: placement policies (``checkpoint_placement``)
 PLACEMENTS = ("value", "geometric", "interval", "off")
@@ -53,63 +52,6 @@ PLACEMENTS = ("value", "geometric", "interval", "off")
 MAX_CANDIDATES = 192
 #: the most placed checkpoints one prefill writes
 MAX_PLACED = 8
-#: suffix lengths the router remembers
-HISTORY = 512
-#: pseudo-observations of the scale-free prior (its weight is PRIOR_WEIGHT / (PRIOR_WEIGHT + seen))
-PRIOR_WEIGHT = 4.0
-#: pseudo-observations of a prompt that shared a prefix; the most followers expected of one prompt
-SHARE_PRIOR, MAX_FOLLOWERS = 1.0, 8.0
-
-
-class DivergenceHistory:
-    """The suffix lengths ``q = N - known`` of the last :data:`HISTORY` prompts
-    that shared a prefix with an earlier one (``known >= unit``), and whether
-    each looked-up prompt did. One writer (the router's event loop)."""
-
-    def __init__(self, size: int = HISTORY) -> None:
-        self.suffixes: deque[int] = deque(maxlen=size)
-        self.shared: deque[bool] = deque(maxlen=size)
-        self._num_shared = 0
-
-    def __len__(self) -> int:
-        return len(self.suffixes)
-
-    def observe(self, num_tokens: int, known: int, unit: int) -> None:
-        if len(self.shared) == self.shared.maxlen:
-            self._num_shared -= self.shared[0]
-        self.shared.append(known >= unit)
-        self._num_shared += known >= unit
-        if known >= unit and num_tokens > known:
-            self.suffixes.append(num_tokens - known)
-
-    def share(self) -> float:
-        """The share of the looked-up prompts seen that shared a prefix with an
-        earlier one, with :data:`SHARE_PRIOR` pseudo-observations that did (1
-        before any was seen; ``1 / (1 + seen)`` where none did)."""
-        return (self._num_shared + SHARE_PRIOR) / (len(self.shared) + SHARE_PRIOR)
-
-    def followers(self) -> float:
-        """Later prompts expected to share one's prefix: ``s / (1 - s)`` (``s``: :meth:`share`), at most 8."""
-        s = self.share()
-        return MAX_FOLLOWERS if s >= 1.0 else min(s / (1.0 - s), MAX_FOLLOWERS)
-
-    def depth_cdf(self, num_tokens: int, drop: int, unit: int, xs: np.ndarray) -> np.ndarray:
-        """``P(D < x)`` for each ``x`` in ``xs``: the mixture of the seen suffixes
-        and the log-uniform prior, for a prompt of ``num_tokens`` (given that a
-        later prompt shares a prefix with it)."""
-        n = num_tokens
-        seen = len(self.suffixes)
-        lam = PRIOR_WEIGHT / (PRIOR_WEIGHT + seen)
-        # prior: q log-uniform on [unit, n]; D = n - q - drop < x  <=>  q > n - drop - x
-        t = np.clip(n - drop - xs, unit, n).astype(np.float64)
-        span = math.log(max(n, unit + 1) / unit)
-        prior = 1.0 - np.log(t / unit) / span
-        prior = np.where(n - drop - xs < unit, 1.0, prior)
-        if not seen:
-            return prior
-        depths = np.sort(n - drop - np.asarray(self.suffixes, dtype=np.int64))
-        emp = np.searchsorted(depths, xs, side="left") / seen
-        return lam * prior + (1.0 - lam) * emp
 
 
 def candidates(
@@ -271,6 +213,8 @@ def place(
     interval: int = 0,
     min_gain: float = 0.0,
     step_tokens: int = 0,
+    known: int = 0,
+    staged: bool = False,
 ) -> tuple[int, ...]:
     """The positions ``policy`` (:data:`PLACEMENTS`) places for a prefill of
     ``[hit, num_tokens)`` that writes the checkpoints in ``fixed`` anyway
@@ -280,9 +224,11 @@ def place(
     more only while it adds ``min_gain`` of the prompt's prefill FLOPs to the
     expected saving; where each costs an engine step (vLLM's staged prefixes:
     ``step_tokens``) also the prefill of ``step_tokens``, the saving counted
-    once per later sharer expected (``history.followers()``: a stream that
-    shares nothing stops paying steps). Native (no step, bounded bytes): the
-    value for one sharer decides."""
+    once per later sharer expected (``history.followers()``, at least one where
+    the prompt shares ``known`` tokens with an earlier one). ``staged`` (vLLM):
+    none unless one later sharer is expected, so a stream that shares nothing
+    stops paying steps after its first prompt. Native (no step, bounded
+    bytes): the value for one sharer decides."""
     if policy not in PLACEMENTS:
         raise ValueError("unknown placement %r (have %s)" % (policy, ", ".join(PLACEMENTS)))
     if policy == "off" or (count <= 0 and policy != "interval"):
@@ -301,9 +247,10 @@ def place(
     hist = history if history is not None else DivergenceHistory()
     drop = unit if drop_eagle_block else 0
 
-    followers = hist.followers() if step_tokens > 0 else 1.0
-    if followers <= 0.0:
+    followers = hist.followers(known >= unit)
+    if followers <= 0.0 or (staged and followers < 1.0):
         return ()
+    followers = followers if step_tokens > 0 else 1.0
 
     def cdf(xs: np.ndarray) -> np.ndarray:
         return hist.depth_cdf(num_tokens, drop, unit, xs)

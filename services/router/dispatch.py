@@ -33,11 +33,12 @@ from ray.exceptions import RayActorError
 
 from hybridpd.checkpoints import merge_requested, requested_checkpoints
 from hybridpd.config import HybridPDConfig
+from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
-from hybridpd.placement import DivergenceHistory, place
+from hybridpd.placement import place
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
@@ -179,16 +180,18 @@ class Dispatcher:
         if self.cfg.checkpoint_policy == "branch-aware" and route.known > route.decision.expected_hit:
             merged = merge_requested(req.checkpoints, (route.known,), n)
             req = req if merged == req.checkpoints else replace(req, checkpoints=merged)
-        placed = self._placement(req, route.decision.expected_hit)
+        placed = self._placement(req, route.decision.expected_hit, route.known)
         return replace(req, placement=placed) if placed else req
 
-    def _placement(self, req: EngineRequest, hit: int) -> tuple[int, ...]:
+    def _placement(self, req: EngineRequest, hit: int, known: int = 0) -> tuple[int, ...]:
         """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's). The
         native engine writes them mid-chunk under its slot rules; the vLLM engine
         stages each as a prefix prefill (``engine/vllm/stages.py``: an engine step
         and a token each), so there any unit multiple past the hit is a candidate
-        (unless ``vllm_placement`` is off), and each must also be expected to
-        save ``vllm_stage_tokens`` of prefill, the step it costs."""
+        (unless ``vllm_placement`` is off); there a prompt is placed only where
+        one later sharer is expected (it shares ``known`` tokens itself, or most
+        prompts do: ``DivergenceHistory.followers``), and each checkpoint must
+        also be expected to save ``vllm_stage_tokens`` of prefill, its step."""
         cfg = self.cfg
         if not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
             return ()
@@ -212,6 +215,8 @@ class Dispatcher:
                 interval=cfg.placement_interval,
                 min_gain=cfg.placement_min_gain,
                 step_tokens=cfg.vllm_stage_tokens if cfg.engine == "vllm" else 0,
+                known=known,
+                staged=cfg.engine == "vllm",
             )
         except Exception:  # placement is an optimisation: never fail a request for it
             logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)

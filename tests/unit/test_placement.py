@@ -13,11 +13,11 @@ import pytest
 
 from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ShareFull, ValueLedger
 from hybridpd.checkpoints import checkpoint_position, is_extra_checkpoint_valid
+from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import StateCache
 from hybridpd.hashing import BlockHash
 from hybridpd.placement import (
-    DivergenceHistory,
     candidates,
     geometric_positions,
     interval_positions,
@@ -256,6 +256,8 @@ def test_where_steps_cost_a_stream_that_shares_nothing_stops_being_placed() -> N
     assert counts[0] == 2 and counts[-1] == 0 and counts == sorted(counts, reverse=True)
     assert free == [2] * 12
     assert h.share() == 1 / 13 and len(h) == 0 and DivergenceHistory().followers() == 8.0
+    staged = {k: place("value", 4096, 0, (), 2, 16, 16, 16, False, h, known=k, staged=True) for k in (0, 2048)}
+    assert staged[0] == () and len(staged[2048]) == 2  # staged (vLLM): one later sharer expected, or none
     for _ in range(12):
         h.observe(4096, 2048, 16)
     assert h.share() == 13 / 25 and len(h) == 12
