@@ -181,16 +181,24 @@ def _soak(out: dict[str, Any]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def _stages(means: dict[str, float] | None) -> str:
+    """The router's TTFT stages of one workload (medians over the repeats), or a dash."""
+    if not means:
+        return "-"
+    return " / ".join("%.1f" % means[s] if s in means else "-" for s in ("queue", "prefill", "prefill_call", "decode"))
+
+
 def _vllm_client(out: dict[str, Any]) -> str:
     rows = [
-        "| target | workload | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s |",
-        "|---|---|---|---|---|---|---|",
+        "| target | workload | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | output tok/s"
+        " | TTFT stages, mean ms (queue / prefill / prefill call / decode) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     legacy = "variants" not in out  # written before repeats: {"results": {target: {workload: {...}}}}
     for target, v in (out["results"] if legacy else out["variants"]).items():
         for name in v if legacy else out["workloads"]:
             rows.append(
-                "| %s | %s | %s | %s | %s | %s | %s |"
+                "| %s | %s | %s | %s | %s | %s | %s | %s |"
                 % (
                     target,
                     name,
@@ -199,6 +207,7 @@ def _vllm_client(out: dict[str, Any]) -> str:
                     spread(v, name, "median_itl_ms", spec="%.2f"),
                     spread(v, name, "p99_itl_ms", spec="%.2f"),
                     spread(v, name, "output_throughput"),
+                    _stages((v.get(name) or {}).get("ttft_stage_mean_ms")),
                 )
             )
     return "\n".join(rows) + "\n"

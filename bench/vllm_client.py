@@ -42,6 +42,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.report import write_json
 from bench.vllm_direct import VllmServer, tiny_model, vllm_venv
 from bench.vllm_pd import VllmPd
@@ -113,6 +115,37 @@ def bench_serve(venv: Path, url: str, tokenizer: Path, name: str, prompts: int, 
     return {k: res.get(k) for k in KEYS}
 
 
+def ttft_stage_sums(url: str) -> dict[str, tuple[float, float]]:
+    """The router's TTFT stages so far (``/metrics``): stage -> (sum s, count); the queue
+    (``hybridpd_queue_seconds``) as stage ``queue``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        if fam.name not in ("hybridpd_ttft_stage_seconds", "hybridpd_queue_seconds"):
+            continue
+        for s in fam.samples:
+            kind = s.name.rpartition("_")[2]
+            if kind in ("sum", "count"):
+                acc = out.setdefault(s.labels.get("stage", "queue"), [0.0, 0.0])
+                acc[kind == "count"] += s.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Mean ms per stage over the requests between two :func:`ttft_stage_sums`.
+
+    >>> stage_means({"decode": (1.0, 10)}, {"decode": (1.5, 20), "queue": (0.02, 10)})
+    {'decode': 50.0, 'queue': 2.0}
+    """
+    out = {}
+    for stage, (s, n) in sorted(after.items()):
+        s0, n0 = before.get(stage, (0.0, 0))
+        if n > n0:
+            out[stage] = round(1e3 * (s - s0) / (n - n0), 3)
+    return out
+
+
 def pd_checks(variants: dict[str, Any], workloads: list[str]) -> dict[str, Any]:
     """``stack-vllm-1p1d`` against ``vllm-pd`` on every random workload, judged on the
     medians over the repeats (``PD_BUDGETS``); empty unless both ran."""
@@ -176,7 +209,13 @@ def run(json_path: Path, quick: bool, repeats: int = 3, only: tuple[str, ...] = 
             out_dir = raw_dir / target / str(done[target])
             out_dir.mkdir(parents=True, exist_ok=True)
             with targets[target]() as srv:
-                return {name: bench_serve(venv, srv.http, tokenizer, name, prompts, out_dir) for name in WORKLOADS}
+                out: dict[str, Any] = {}
+                for name in WORKLOADS:
+                    before = ttft_stage_sums(srv.http) if isinstance(srv, StackProcess) else None
+                    out[name] = bench_serve(venv, srv.http, tokenizer, name, prompts, out_dir)
+                    if before is not None:
+                        out[name]["ttft_stage_mean_ms"] = stage_means(before, ttft_stage_sums(srv.http))
+                return out
 
         fns = {t: functools.partial(one, t) for t in targets}
         variants, notes = measure_variants(fns, repeats, dict.fromkeys(targets, venv))

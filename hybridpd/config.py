@@ -93,7 +93,8 @@ class HybridPDConfig(BaseModel):
         description="What the engine step a staged checkpoint costs on vLLM is worth, in prefill tokens (a"
         " step's fixed cost is ~120 for the tiny model on 2 CPU cores): checkpoint_placement=value then places"
         " one there only if it also saves this much prefill, counted once per later sharer expected from the"
-        " share of prompts that shared a prefix. 0 (default): steps are free, as on native.",
+        " share of prompts that shared a prefix. 0 (default): no price on the step; on vLLM a prompt is still"
+        " placed only where one later sharer is expected (it shares a known prefix, or most prompts do).",
     )
     vllm_retention_interval: int = Field(
         0,

@@ -123,6 +123,22 @@ OVERVIEW = dashboard(
         ),
         panel("End-to-end latency", quantiles("hybridpd_e2e_latency_seconds"), "s"),
         panel("Queue time", quantiles("hybridpd_queue_seconds"), "s"),
+        panel(
+            "Time to first token by stage (mean)",
+            [
+                q(
+                    "sum by (stage) (rate(hybridpd_ttft_stage_seconds_sum[$__rate_interval])) / "
+                    "clamp_min(sum by (stage) (rate(hybridpd_ttft_stage_seconds_count[$__rate_interval])), 1e-9)",
+                    "{{stage}}",
+                ),
+                q(
+                    "sum(rate(hybridpd_queue_seconds_sum[$__rate_interval])) / "
+                    "clamp_min(sum(rate(hybridpd_queue_seconds_count[$__rate_interval])), 1e-9)",
+                    "queue",
+                ),
+            ],
+            "s",
+        ),
     ],
 )
 

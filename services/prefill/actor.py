@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import HybridPDConfig
@@ -138,7 +138,7 @@ class PrefillWorker(WorkerBase):
         t0 = time.perf_counter()
         try:
             with self.engine_errors():
-                return self._prefill(cmd)
+                return replace(self._prefill(cmd), prefill_seconds=time.perf_counter() - t0)
         finally:
             self._observe("prefill_seconds", time.perf_counter() - t0)
 

@@ -34,6 +34,16 @@ class RouterMetrics:
             buckets=sorted({*_FAST, *_LAT}),
             registry=r,
         )
+        self.ttft_stage = Histogram(
+            "hybridpd_ttft_stage_seconds",
+            "Time to first token by stage (with hybridpd_queue_seconds before them): prefill (on its actor, "
+            "its queue included), prefill_call (the rest of the prefill call: actor hops, retries), decode "
+            "(the prefill's result to the first decoded token: handoff, first step, stream; where decode "
+            "samples the first token, as on vLLM).",
+            ["stage"],
+            buckets=sorted({*_FAST, *_LAT}),
+            registry=r,
+        )
         self.routing = Counter("hybridpd_routing_decisions", "Routing decisions by kind.", ["decision"], registry=r)
         self.decode_routing = Counter(
             "hybridpd_decode_routing_decisions",

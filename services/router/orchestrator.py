@@ -152,8 +152,11 @@ class Orchestrator:
         self.metrics.queue_time.observe(run.deadline.elapsed())
         preq = self.dispatch.with_junction(req, route)
         seen = asyncio.ensure_future(self.dispatch.seen(route)) if route.looked_up else None
+        t_call = time.perf_counter()
         pr = await self.dispatch.prefill(preq, decision, run.flight, run.deadline, route.hashes)
         run.last = time.perf_counter()
+        self.metrics.ttft_stage.labels("prefill").observe(pr.prefill_seconds)
+        self.metrics.ttft_stage.labels("prefill_call").observe(max(run.last - t_call - pr.prefill_seconds, 0.0))
         run.instance = pr.instance
         if run.answer is not None and run.answer.answer_span is not None:
             a0, a1 = run.answer.answer_span
@@ -196,6 +199,8 @@ class Orchestrator:
 
     def _decoded(self, run: _Run, out: OutputProcessor, chunk: TokenChunk) -> Event:
         now = time.perf_counter()
+        if out.count == 0 and chunk.token_ids:  # decode samples the first token (vLLM)
+            self.metrics.ttft_stage.labels("decode").observe(now - run.last)
         self.metrics.itl.observe(now - run.last)
         run.last = now
         return self._event(run, out, chunk.token_ids, chunk.finished, chunk.finish_reason)

@@ -35,6 +35,8 @@ class PrefillResult:
     tail_checkpoint: int | None = None
     #: where it left the extra checkpoints the request asked for (``Engine.extra_checkpoints``)
     extra_checkpoints: tuple[int, ...] = ()
+    #: the prefill's own time on its actor, seconds (its queue included): the router's TTFT stages
+    prefill_seconds: float = 0.0
 
     @property
     def has_handoff(self) -> bool:

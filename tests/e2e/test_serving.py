@@ -231,6 +231,7 @@ def test_bad_input_is_4xx(client: OpenAI, stack: Stack) -> None:
     metrics = httpx.get(stack.http + "/metrics").text
     for name in ("hybridpd_ttft_seconds_bucket", "hybridpd_routing_decisions_total", "hybridpd_cached_tokens_total"):
         assert name in metrics
+    assert 'hybridpd_ttft_stage_seconds_count{stage="prefill_call"}' in metrics
 
 
 def test_grpc_generate_abort_health(stack: Stack, reference) -> None:  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from bench import tables
-from bench.vllm_client import PD_BUDGETS, WORKLOADS, pd_checks
+from bench.vllm_client import PD_BUDGETS, WORKLOADS, pd_checks, stage_means
 
 
 def _target(ttft: float, itl: float) -> dict:
@@ -35,3 +35,24 @@ def test_the_block_shows_the_checks_once(tmp_path: Path) -> None:
     text = tables.render_block("vllm-client-pd-quick", tmp_path)
     assert "| vllm-pd | random_c1 |" in text
     assert text.count("`random_c1_ttft_p50_vs_vllm_pd_ok`: **MISSED**") == 1
+
+
+def test_ttft_stages_are_the_mean_of_the_requests_between_two_scrapes(tmp_path: Path) -> None:
+    before = {"prefill": (1.0, 10.0), "decode": (0.5, 10.0)}
+    after = {"prefill": (2.5, 20.0), "decode": (0.5, 10.0), "queue": (0.02, 10.0)}
+    assert stage_means(before, after) == {"prefill": 150.0, "queue": 2.0}  # decode: no request in between
+    out = {
+        "workloads": ["random_c1"],
+        "variants": {
+            "stack-vllm-1p1d": {
+                "random_c1": {"median_ttft_ms": 1.0, "ttft_stage_mean_ms": {"queue": 1.25, "decode": 30.0}}
+            },
+            "vllm-pd": {"random_c1": {"median_ttft_ms": 1.0}},
+        },
+        "checks": {},
+    }
+    (tmp_path / "vllm_client_pd_quick.json").write_text(json.dumps(out))
+    text = tables.render_block("vllm-client-pd-quick", tmp_path)
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["| stack-vllm-1p1d"].endswith("| 1.2 / - / - / 30.0 |")
+    assert rows["| vllm-pd"].endswith("| - |")  # no router there

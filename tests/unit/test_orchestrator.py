@@ -91,6 +91,9 @@ def test_native_shape_first_token_at_prefill_then_decode_chunks() -> None:
     assert p.prefill.calls == [(PrefillCommand(_req(8), 0),)]
     assert p.abort.calls == [] and d.abort.calls == []  # the engines finished it
     assert _metric(orch, "hybridpd_ttft_seconds_count") == 1
+    stages = {s: _metric(orch, "hybridpd_ttft_stage_seconds_count", stage=s) for s in ("prefill", "prefill_call")}
+    assert stages == {"prefill": 1, "prefill_call": 1}  # the first token came from prefill: no decode stage
+    assert _metric(orch, "hybridpd_ttft_stage_seconds_count", stage="decode") == 0
     assert _metric(orch, "hybridpd_inter_token_latency_seconds_count") == 3
     assert _metric(orch, "hybridpd_completion_tokens_total") == 8
     assert _metric(orch, "hybridpd_requests_total", api="test", status="ok") == 1
@@ -106,6 +109,7 @@ def test_vllm_shape_prefill_tokens_empty_decode_sends_every_token() -> None:
     assert evs[-1].usage == Usage(3, CACHED, 8)
     assert d.generate.calls[0][0].token_ids == ()
     assert _metric(orch, "hybridpd_ttft_seconds_count") == 1  # at the first decode chunk
+    assert _metric(orch, "hybridpd_ttft_stage_seconds_count", stage="decode") == 1  # decode sampled the first token
 
 
 def test_request_finished_at_prefill_ends_there() -> None:
