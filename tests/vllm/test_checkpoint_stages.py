@@ -103,3 +103,22 @@ def test_pd_prefill_keeps_the_prompt_tail_one_engine_would() -> None:
     print(cached)
     assert cached == {"A": 0, "E": 1600}
     assert_match_reference([("A", a), ("E", e)], 6, got)
+
+
+def test_pd_tail_stage_waits_for_decode_to_read_the_handoff() -> None:
+    """The tail stage is background work on the prefill engine, and NIXL progresses
+    only when that engine steps: a background step (a prefill chunk) would hold
+    decode's read, and the client's first token, until it ended. So it waits while
+    the prompt's KV waits for decode (``SEND_HOLD_S``, here 600 s so that only the
+    read can end the wait): the prefill engine steps for 0.5 s meanwhile and runs
+    no try; once decode has read (and its tokens pass the greedy rule) it runs."""
+    import time
+
+    a = tokens(1601, 6)
+    with PdPair(send_hold_s=600.0) as pd:
+        request, ticket, _ = pd.prefill("A", a, 6)
+        time.sleep(0.5)  # the prefill worker steps its engine meanwhile (``next_message``)
+        assert pd.tries() == (0, 1)  # held: queued, not run
+        got = pd.decode(request, ticket)
+        assert pd.settle() == 1  # read: the tail stage ran
+    assert_match_reference([("A", a)], 6, {"A": got})

@@ -71,11 +71,15 @@ def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, o
     q_out.put(out)
 
 
-def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
+def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any], send_hold_s: float | None = None) -> None:  # type: ignore[no-untyped-def]
     """Prefill requests ``(rid, tokens, max_tokens[, corrupt])``; with ``corrupt``
     one block of the handoff is negated before it is offered
-    (:func:`corrupt_handoff_block`): the fault the comparison must catch."""
+    (:func:`corrupt_handoff_block`): the fault the comparison must catch.
+    ``send_hold_s``: the engine's ``SEND_HOLD_S`` in this process."""
+    if send_hold_s is not None:
+        from hybridpd.engine.vllm import engine as vllm_engine
 
+        vllm_engine.SEND_HOLD_S = send_hold_s
     eng = _engine("prefill", overrides, side_port)
     q_out.put("ready")
     while True:
@@ -87,6 +91,9 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any]) -> No
             while eng.has_work() and time.monotonic() < deadline:
                 eng.step()
             q_out.put(("settled", eng.has_work(), eng.background.tries))
+            continue
+        if msg == "tries":  # background tries run so far, and those still queued
+            q_out.put(("tries", eng.background.tries, len(eng.background.queued)))
             continue
         rid, toks, max_tokens, *rest = msg  # rest: [corrupt[, checkpoints]]
         request = req(rid, toks, max_tokens)
@@ -144,14 +151,16 @@ class PdPair:
     """A prefill and a decode engine, each in its own spawned process
     (:func:`prefill_worker`, :func:`decode_worker`), as a context manager."""
 
-    def __init__(self, overrides: dict[str, Any] | None = None) -> None:
+    def __init__(self, overrides: dict[str, Any] | None = None, send_hold_s: float | None = None) -> None:
         import multiprocessing as mp
 
         from hybridpd.procs import free_port
 
         ctx = mp.get_context("spawn")
         self.qp_in, self.qp_out, self.qd_in, self.qd_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
-        self.pre = ctx.Process(target=prefill_worker, args=(self.qp_in, self.qp_out, free_port(), overrides or {}))
+        self.pre = ctx.Process(
+            target=prefill_worker, args=(self.qp_in, self.qp_out, free_port(), overrides or {}, send_hold_s)
+        )
         self.dec = ctx.Process(target=decode_worker, args=(self.qd_in, self.qd_out, free_port(), overrides or {}))
 
     def __enter__(self) -> PdPair:
@@ -165,10 +174,28 @@ class PdPair:
     ) -> tuple[Any, Any, list[int], list[int]]:
         """Prefill ``toks`` (``corrupt``: one handoff block negated first), decode it:
         (the request, the ticket, the prefill's tokens, decode's tokens)."""
+        request, ticket, prefill_tokens = self.prefill(rid, toks, max_tokens, corrupt, checkpoints)
+        return request, ticket, prefill_tokens, self.decode(request, ticket)
+
+    def prefill(
+        self, rid: str, toks: list[int], max_tokens: int, corrupt: bool = False, checkpoints: tuple[int, ...] = ()
+    ) -> tuple[Any, Any, list[int]]:
+        """Only the prefill half of :meth:`run`: (the request, the ticket, its tokens)."""
         self.qp_in.put((rid, toks, max_tokens, corrupt, checkpoints))
         request, ticket, prefill_tokens = self.qp_out.get(timeout=300)
+        return request, ticket, prefill_tokens
+
+    def decode(self, request: Any, ticket: Any) -> list[int]:
+        """Decode a prefilled request from its ticket: decode's tokens."""
         self.qd_in.put((request, ticket))
-        return request, ticket, prefill_tokens, self.qd_out.get(timeout=300)
+        return list(self.qd_out.get(timeout=300))
+
+    def tries(self) -> tuple[int, int]:
+        """The prefill engine's background tries run so far, and those queued."""
+        self.qp_in.put("tries")
+        tag, tries, queued = self.qp_out.get(timeout=300)
+        assert tag == "tries"
+        return int(tries), int(queued)
 
     def settle(self) -> int:
         """Let the prefill engine run its background work; returns the background

@@ -80,6 +80,14 @@ KV_CACHE_BYTES_ENV = "HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES"
 #: (vLLM 0.32's pages of the tiny Qwen3-Next: 640 tokens, 320 KiB on an AMD EPYC with
 #: AVX512-BF16; 384 tokens, 192 KiB on one without), a page count does not
 KV_CACHE_BLOCKS_ENV = "HYBRIDPD_VLLM_KV_CACHE_BLOCKS"
+#: a background try (a P/D prompt's tail stage, an answer prefill) waits while a handed-off
+#: prefill's KV awaits decode's NIXL read, at most this long after the handoff: NIXL progresses
+#: only when this engine steps (``patches.nixl_without_progress_thread``), so a background step
+#: (a whole prefill chunk) would hold decode's read, and the first token, until it ended
+SEND_HOLD_S = 1.0
+#: how often an engine with nothing to compute polls its connector: within ``SEND_HOLD_S`` of a
+#: handoff (decode's read waits on it), and later (an unread handoff waits for vLLM's timeout)
+SEND_POLL_S, IDLE_POLL_S = 0.001, 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +193,8 @@ class VllmEngine:
         self.spec = SpecStats()  # vLLM reports speculative decoding in its own metrics
         self.live: dict[str, _Live] = {}
         self.handoffs: dict[str, VllmTicket] = {}
+        #: when the newest P/D prefill finished here (its KV handed to decode: ``SEND_HOLD_S``)
+        self._handed_at = -SEND_HOLD_S
         self.pending: list[RequestOutput] = []
         #: vLLM's KV events, translated (None: not asked for)
         self.feed: KVEventFeed | None = None
@@ -324,7 +334,7 @@ class VllmEngine:
             self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
 
     def _admit_background(self) -> None:
-        foreground = any(not v.request.background for v in self.live.values())
+        foreground = any(not v.request.background for v in self.live.values()) or self._sending()
         nxt = self.background.admit(foreground)
         if nxt is None:
             return
@@ -334,6 +344,14 @@ class VllmEngine:
             running = self.background.running
             self.background.finished()
             self._fail(running[1].request_id if running is not None else nxt.request_id)
+
+    def _sending(self) -> bool:
+        """Whether a handed-off prefill's KV still waits for decode's read (vLLM keeps
+        its blocks until NIXL reports it sent), for at most ``SEND_HOLD_S``."""
+        if not self.background.queued or time.monotonic() - self._handed_at >= SEND_HOLD_S:
+            return False
+        core = self._core()
+        return core is not None and core.scheduler.has_finished_requests()
 
     def _fail(self, request_id: str) -> None:
         """vLLM refused a request this engine submits on its own (a checkpoint prefix's
@@ -482,7 +500,8 @@ class VllmEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self.pending = self.pending, []
         if not self.live and not outputs:
-            time.sleep(0.005)  # only connector bookkeeping left: poll it, do not spin
+            # only connector bookkeeping left: poll it, do not spin
+            time.sleep(SEND_POLL_S if time.monotonic() - self._handed_at < SEND_HOLD_S else IDLE_POLL_S)
         self._admit_background()
         for out in self.engine.step():
             if self.stages.is_prefix(out.request_id):  # a checkpoint prefix: never reported
@@ -514,6 +533,7 @@ class VllmEngine:
                 params = out.kv_transfer_params or {}
                 if params:  # handed off: finished here, not for the client
                     self.handoffs[rid] = VllmTicket(rid, 0, None, cached, params)
+                    self._handed_at = time.monotonic()
                     reason = None
                 tokens = ()  # not an output token (see the module docstring)
             outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
