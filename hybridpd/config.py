@@ -96,6 +96,15 @@ class HybridPDConfig(BaseModel):
         " share of prompts that shared a prefix. 0 (default): no price on the step; on vLLM a prompt is still"
         " placed only where one later sharer is expected (it shares a known prefix, or most prompts do).",
     )
+    vllm_stage_gap_tokens: int = Field(
+        128,
+        ge=0,
+        le=1 << 20,
+        description="On vLLM, a chat message-boundary or junction checkpoint is staged only this many tokens"
+        " or more past the hit or the checkpoint kept before it: each staged one costs this request an engine"
+        " step (~120 tokens of prefill for the tiny model on 2 CPU cores), and a later request that branches"
+        " there saves at most that gap. 0: stage every one (as the native engine writes every one).",
+    )
     vllm_retention_interval: int = Field(
         0,
         ge=0,

@@ -261,6 +261,29 @@ def place(
     return value_positions(free, fixed_all, min(count, MAX_PLACED), cdf, compute, floor)
 
 
+def worth_a_step(positions: Iterable[int], hit: int, step_tokens: int) -> tuple[int, ...]:
+    """The router-chosen ``positions`` (message boundaries, a junction) worth
+    staging on vLLM, ascending: each at least ``step_tokens`` past the hit or
+    the position kept before it. A staged checkpoint costs an engine step (worth
+    ``step_tokens`` of prefill) now; a later request that branches there saves
+    at most the tokens since the checkpoint below it. 0: all of them.
+
+    >>> worth_a_step([300, 337], 0, 128)  # a system prompt's end is; a short turn after it is not
+    (300,)
+    >>> worth_a_step([960, 1001], 900, 128)  # a turn just past the hit: neither
+    ()
+    """
+    if step_tokens <= 0:
+        return tuple(sorted(set(positions)))
+    kept: list[int] = []
+    below = hit
+    for p in sorted(set(positions)):
+        if p - below >= step_tokens:
+            kept.append(p)
+            below = p
+    return tuple(kept)
+
+
 def placed_checkpoints(
     placement: Iterable[int],
     hit: int,

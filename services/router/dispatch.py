@@ -38,7 +38,7 @@ from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
-from hybridpd.placement import place
+from hybridpd.placement import place, worth_a_step
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
@@ -165,7 +165,7 @@ class Dispatcher:
         looked_up = hits.index_ok and hits.hashes is not None
         return Route(decision, hits.hashes, hits.known, looked_up)
 
-    def with_junction(self, req: EngineRequest, route: Route) -> EngineRequest:
+    def with_junction(self, req: EngineRequest, route: Route, boundaries: tuple[int, ...] = ()) -> EngineRequest:
         """``req`` as its prefill runs it: under the branch-aware policy, with the
         junction the lookup found (where the prompt leaves every cached prefix)
         among its checkpoint positions when it lies past the hit, so the second
@@ -173,12 +173,23 @@ class Dispatcher:
         (the engine rounds it down to a position it can write:
         ``checkpoints.requested_checkpoints``); and with the checkpoints
         ``checkpoint_placement`` places along it for a request that will
-        diverge from it first (:meth:`_placement`)."""
-        n = len(req.prompt_token_ids)
+        diverge from it first (:meth:`_placement`). On vLLM, where each is a
+        staged prefix (an engine step for this request), the junction and the
+        chat message ``boundaries`` (``Built.boundaries``) are staged only
+        ``vllm_stage_gap_tokens`` past the hit or the one kept before them
+        (``placement.worth_a_step``): a turn that adds a few dozen tokens to a
+        cached conversation stages none."""
+        n, cfg = len(req.prompt_token_ids), self.cfg
         if route.looked_up:
-            self.divergence.observe(n, route.known, self.cfg.prefix_match_unit)
-        if self.cfg.checkpoint_policy == "branch-aware" and route.known > route.decision.expected_hit:
-            merged = merge_requested(req.checkpoints, (route.known,), n)
+            self.divergence.observe(n, route.known, cfg.prefix_match_unit)
+        hit = route.decision.expected_hit
+        extra = boundaries
+        if cfg.checkpoint_policy == "branch-aware" and route.known > hit:
+            extra = (*extra, route.known)
+        if cfg.engine == "vllm":
+            extra = worth_a_step(extra, hit, cfg.vllm_stage_gap_tokens)
+        if extra:
+            merged = merge_requested(req.checkpoints, tuple(sorted(set(extra))), n)
             req = req if merged == req.checkpoints else replace(req, checkpoints=merged)
         placed = self._placement(req, route.decision.expected_hit, route.known)
         return replace(req, placement=placed) if placed else req

@@ -67,7 +67,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             built = self._request(request, self._tenant(context))
             req, stop = built.request, tuple(request.sampling.stop)
-            async for ev in self.orch.stream(req, "grpc", None, stop, built.answer):
+            async for ev in self.orch.stream(req, "grpc", None, stop, built.answer, built.boundaries):
                 resp = generate_pb2.GenerateResponse(
                     request_id=req.request_id, token_ids=list(ev.token_ids), text=ev.text
                 )

@@ -161,7 +161,7 @@ async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Resp
     msgs = tuple(ChatMessage(m.role, m.content) for m in body.messages)
     api = replace(_api_request(body, request), messages=msgs, answer_checkpoint=body.hybridpd_answer_checkpoint)
     built = build(api, st.orch, st.served_model)
-    return await _generate(st, body, built.request, "chat", "chat", built.answer)
+    return await _generate(st, body, built.request, "chat", "chat", built.answer, built.boundaries)
 
 
 def _api_request(body: _Common, request: Request) -> ApiRequest:
@@ -179,12 +179,18 @@ def _api_request(body: _Common, request: Request) -> ApiRequest:
 
 
 async def _generate(
-    st: RouterState, body: _Common, req: EngineRequest, api: str, kind: str, answer: AnswerPlan | None = None
+    st: RouterState,
+    body: _Common,
+    req: EngineRequest,
+    api: str,
+    kind: str,
+    answer: AnswerPlan | None = None,
+    boundaries: tuple[int, ...] = (),
 ) -> Response:
     """Run ``req``: an SSE stream, or one JSON body once it finished."""
     created = int(time.time())
     oid = ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id
-    events = st.orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list(), answer)
+    events = st.orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list(), answer, boundaries)
     if body.stream:
         first = await anext(events)  # errors before the first token become a proper HTTP status
         return StreamingResponse(_sse(first, events, oid, created, body, kind), media_type="text/event-stream")

@@ -62,6 +62,8 @@ class _Run:
     last: float = 0.0
     #: make the answer reusable at the end (chat)
     answer: AnswerPlan | None = None
+    #: chat message boundaries the dispatcher may stage (vLLM: ``Built.boundaries``)
+    boundaries: tuple[int, ...] = ()
     #: the prefill instance that served the prompt
     instance: str | None = None
     finish_reason: str | None = None
@@ -102,16 +104,18 @@ class Orchestrator:
         force_instance: str | None = None,
         stop: tuple[str, ...] = (),
         answer: AnswerPlan | None = None,
+        boundaries: tuple[int, ...] = (),
     ) -> AsyncIterator[Event]:
         """Serve ``req``: Events until one is finished. Raises InvalidRequestError,
         OverloadedError (before any work), NotFoundError (``force_instance``),
         UnavailableError, DeadlineError. ``api`` labels the request metrics.
         ``answer``: make the answer part of the cached prefix once the request
-        ends normally (``answers.py``)."""
+        ends normally (``answers.py``); ``boundaries``: chat message boundaries
+        the dispatcher may stage (``Built.boundaries``)."""
         if req.request_id in self.running:  # actors key work by id: a second one would clobber the first
             raise InvalidRequestError("request id %s is already in flight" % req.request_id)
         deadline = self.admission.admit(req)
-        run = _Run(req, api, deadline, Flight(req.request_id), answer=answer)
+        run = _Run(req, api, deadline, Flight(req.request_id), answer=answer, boundaries=boundaries)
         self.running[req.request_id] = run.flight
         try:
             pr, split, promised = await self._prefill(run, force_instance)
@@ -150,7 +154,7 @@ class Orchestrator:
         decision = route.decision
         self.metrics.routing.labels(decision.kind).inc()
         self.metrics.queue_time.observe(run.deadline.elapsed())
-        preq = self.dispatch.with_junction(req, route)
+        preq = self.dispatch.with_junction(req, route, run.boundaries)
         seen = asyncio.ensure_future(self.dispatch.seen(route)) if route.looked_up else None
         t_call = time.perf_counter()
         pr = await self.dispatch.prefill(preq, decision, run.flight, run.deadline, route.hashes)

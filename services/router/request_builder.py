@@ -10,7 +10,9 @@ that decides what is served lives here, so HTTP and gRPC are the same product:
   previous answer's text stands for the ids the model generated, so the next
   turn's prompt extends what is cached), the message-boundary checkpoints
   (``checkpoint_policy: branch-aware``) merged with the client's positions
-  (``checkpoints.merge_requested``: ascending, at most 8, boundaries first), and
+  (``checkpoints.merge_requested``: ascending, at most 8, boundaries first; on
+  vLLM, where each costs an engine step, handed to the dispatcher instead, which
+  stages those far enough past the hit: ``Dispatcher.with_junction``), and
   the :class:`AnswerPlan` that makes this answer reusable at its end;
 * sampling: ``max_tokens`` defaults to 16 (completion) or 256 (chat), clamped
   to what the context leaves; the tokenizer's end-of-turn ids stop unless
@@ -77,6 +79,9 @@ class Built:
     request: EngineRequest
     #: chat only: what the end of the request needs to make the answer reusable
     answer: AnswerPlan | None = None
+    #: chat on vLLM under branch-aware: the message boundaries, not merged into the request's
+    #: checkpoints (the dispatcher stages those worth an engine step once it knows the hit)
+    boundaries: tuple[int, ...] = ()
 
 
 def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
@@ -91,6 +96,7 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
     cfg, tok = orch.cfg, orch.tokenizer
     salt = ApiKeys.salt(api.tenant, api.cache_salt)
     checkpoints = list(api.checkpoints)
+    boundaries: tuple[int, ...] = ()
     plan: AnswerPlan | None = None
     if api.messages is not None:
         if not api.messages:
@@ -102,7 +108,10 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
         # user turn starts, so the first conversation already leaves them reusable
         if cfg.checkpoint_policy == "branch-aware":
             validate_checkpoints(tuple(checkpoints), len(tokens))  # the client's own list, as it sent it
-            checkpoints = list(merge_requested(checkpoints, chat.boundaries, len(tokens)))
+            if cfg.engine == "vllm":
+                boundaries = chat.boundaries
+            else:
+                checkpoints = list(merge_requested(checkpoints, chat.boundaries, len(tokens)))
         if chat.answer_span is not None:
             a0, a1 = chat.answer_span
             answer = next(m.content for m in reversed(api.messages) if m.role == "assistant")
@@ -132,4 +141,4 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
         ignore_eos=s.ignore_eos,
     )
     req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
-    return Built(req, plan)
+    return Built(req, plan, boundaries)

@@ -161,6 +161,27 @@ def test_branch_aware_router_adds_the_junction_past_the_hit() -> None:
     assert tail_only.with_junction(req, _route(64, 240)) is req
 
 
+def test_on_vllm_boundaries_and_junctions_are_staged_only_a_step_s_worth_past_the_hit() -> None:
+    """On vLLM each router-chosen checkpoint is a staged prefix: an engine step for this
+    request. The chat boundaries (``Built.boundaries``) and the junction are staged only
+    ``vllm_stage_gap_tokens`` (128) past the hit or the one kept before them: the end
+    of a 300-token system prompt is, a turn 40 tokens past a cached conversation is not,
+    nor a junction 60 tokens past the hit. 0 stages them all; native merges them all."""
+    req = EngineRequest(RequestId("r"), tuple(range(3, 1003)), SamplingParams(), None, (40,))
+    vllm = _dispatcher(engine="vllm", checkpoint_placement="off")
+    # a new conversation: the system prompt's end (300) and the last turn (337), nothing cached
+    assert vllm.with_junction(req, _route(0, 0), (300, 337)).checkpoints == (40, 300)
+    # the next turn of a cached conversation: its last user turn starts 40 tokens past the hit
+    assert vllm.with_junction(req, _route(896, 896), (300, 936)) is req
+    # a branch 60 tokens past the hit: its junction is not worth a step; 200 past it is
+    assert vllm.with_junction(req, _route(640, 700)) is req
+    assert vllm.with_junction(req, _route(640, 840)).checkpoints == (40, 840)
+    every = _dispatcher(engine="vllm", checkpoint_placement="off", vllm_stage_gap_tokens=0)
+    assert every.with_junction(req, _route(896, 896), (300, 936)).checkpoints == (40, 300, 936)
+    native = _dispatcher(checkpoint_placement="off")
+    assert native.with_junction(req, _route(640, 700)).checkpoints == (40, 700)
+
+
 def test_router_places_checkpoints_past_the_hit_besides_the_junction() -> None:
     """The default placement adds positions the engine can write: unit multiples past
     the hit, below the tail, none of them the junction; off adds none; the vLLM engine

@@ -71,8 +71,11 @@ def test_chat_gets_boundaries_an_answer_plan_and_its_default() -> None:
         build(_api(messages=MSGS, checkpoints=(40, 20)), orch, "tiny")
     assert built.answer is not None and built.answer.prompt_text == chat.text
     assert build(_api(messages=MSGS, answer_checkpoint=False), orch, "tiny").answer is None
+    assert built.boundaries == ()  # native: merged into the checkpoints (each is free there)
+    on_vllm = build(_api(messages=MSGS, checkpoints=mine), _orch(engine="vllm"), "tiny")
+    assert on_vllm.request.checkpoints == mine and on_vllm.boundaries == chat.boundaries  # the dispatcher weighs them
     tail_only = build(_api(messages=MSGS), _orch(checkpoint_policy="tail-only", answer_checkpoints=False), "tiny")
-    assert tail_only.request.checkpoints == () and tail_only.answer is None
+    assert tail_only.request.checkpoints == () and tail_only.answer is None and tail_only.boundaries == ()
     with pytest.raises(InvalidRequestError, match="at least one message"):
         build(_api(messages=()), orch, "tiny")
 
