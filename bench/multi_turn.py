@@ -13,7 +13,10 @@ What a request ideally recomputes (``ideal``):
 * round r >= 2: ``prompt_tokens(r) - (prompt_tokens(r-1) + completion_tokens(r-1))``
   of the same user: the template's end of the previous answer, the new user
   message and the next generation prompt; everything before it (the previous
-  prompt and the answer's ids) was computed by the engine already;
+  prompt and the answer's ids) was computed by the engine already. Where the
+  client did not get the previous answer's text whole (``answer_cut``: it ends in
+  a cut character; the router keeps no such answer), ``prompt_tokens(r) -
+  prompt_tokens(r-1)``: the next prompt holds another tokenization of it;
 * round 1: ``prompt_tokens`` minus the longest token prefix it shares with
   an earlier user's round-1 prompt (the system prompt's shared part; the
   first user: nothing), reported per round but not in the overall figures.
@@ -114,9 +117,10 @@ def _ratio(a: float, b: float) -> float | None:
 def per_request(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add the arithmetic to each record (in sending order; ``user``, ``round``,
     ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``, and for round 1
-    ``shared_tokens``): ``recomputed_tokens``, ``ideal_tokens``, ``answer_tokens``
-    (the previous answer's length), ``answer_hit_tokens`` (from usage: cached
-    tokens past the previous prompt, at most the answer; None in round 1)."""
+    ``shared_tokens``; ``answer_cut`` where known): ``recomputed_tokens``,
+    ``ideal_tokens``, ``answer_tokens`` (the previous answer's length),
+    ``answer_hit_tokens`` (from usage: cached tokens past the previous prompt, at
+    most the answer; None in round 1), ``previous_answer_cut``."""
     prev: dict[Any, dict[str, Any]] = {}
     out = []
     for r in records:
@@ -127,9 +131,13 @@ def per_request(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             x["ideal_tokens"] = r["prompt_tokens"] - r.get("shared_tokens", 0)
             x["answer_tokens"] = 0
             x["answer_hit_tokens"] = None
+            x["previous_answer_cut"] = False
         else:
-            before = p["prompt_tokens"] + p["completion_tokens"]
+            # an answer the client did not get whole (``answer_cut``) cannot be kept: the
+            # engine computed its ids, but the next prompt holds another tokenization of them
+            before = p["prompt_tokens"] + (0 if p.get("answer_cut") else p["completion_tokens"])
             x["ideal_tokens"] = r["prompt_tokens"] - before
+            x["previous_answer_cut"] = bool(p.get("answer_cut"))
             x["answer_tokens"] = p["completion_tokens"]
             x["answer_hit_tokens"] = min(max(r["cached_tokens"] - p["prompt_tokens"], 0), p["completion_tokens"])
         prev[r["user"]] = r
@@ -280,13 +288,14 @@ def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
             for r in later
             for p in [prev[(r["user"], r["round"] - 1)]]
             for want in [predicted_hit(p["prompt_tokens"], p["completion_tokens"], unit)]
-            if r["cached_tokens"] != want
+            if r["cached_tokens"] != want and not r.get("previous_answer_cut")
         ]
     if po is not None:
         out["prompt_only_not_recomputing_answer"] = [
             "user%d/round%d" % (r["user"], r["round"])
             for r in po["requests"]
-            if r["round"] >= 2 and r["recomputed_tokens"] < r["ideal_tokens"] + r["answer_tokens"]
+            if r["round"] >= 2
+            and r["recomputed_tokens"] < r["ideal_tokens"] + (0 if r.get("previous_answer_cut") else r["answer_tokens"])
         ]
     for name in ("answers-cached", "prompt-only"):
         v = variants.get(name)

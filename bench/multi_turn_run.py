@@ -67,6 +67,8 @@ class Encoders:
     #: messages ending in (assistant answer, user message) -> the prompt's tokens after
     #: the answer's text (template + message + generation prompt), tokenized alone
     suffix_tokens: Callable[[Messages], int] | None = None
+    #: ids -> their text (the router's tokenizer; None: unknown)
+    decode: Callable[[list[int]], str] | None = None
 
 
 def native_encoders() -> Encoders:
@@ -96,7 +98,25 @@ def router_encoders(tokenizer_dir: Path) -> Encoders:
         tuple(tok.stop_token_ids),
         special,
         suffix_tokens,
+        tok.decode,
     )
+
+
+def answer_cut(ids: list[int], decode: Callable[[list[int]], str], special: frozenset[int]) -> bool:
+    """Whether the client did not get the text of every one of an answer's ``ids``
+    (trailing stop ids stripped): they end in a cut character (the router drops an
+    incomplete character at the end of a stream) or in an id that decodes to no text.
+    The router keeps no answer checkpoint then (``Orchestrator._keep_answer``): the
+    next prompt holds the text, not the ids, so its ideal is the previous prompt's.
+
+    >>> answer_cut([1, 2], lambda ids: "ab\ufffd", frozenset())
+    True
+    >>> answer_cut([1, 2], lambda ids: "ab", frozenset({2}))
+    True
+    >>> answer_cut([1, 2], lambda ids: "ab", frozenset())
+    False
+    """
+    return bool(ids) and (decode(ids).endswith("\ufffd") or ids[-1] in special)
 
 
 def _send(client: httpx.Client, url: str, msgs: Messages, w: Workload) -> dict[str, Any]:
@@ -240,6 +260,8 @@ def run_conversations(
                         rec["special_ids_in_answer"] = sum(i in enc.special_ids for i in gen)
                         rec["retokenized_differs_nonspecial"] = again != [i for i in gen if i not in enc.special_ids]
                     rec["answer_ids"] = gen
+                    if enc.decode is not None:
+                        rec["answer_cut"] = answer_cut(gen, enc.decode, enc.special_ids or frozenset())
                 rec["answer_text"] = res["text"]
                 if native:
                     rec["metric_answer_hit"] = _delta(after, before, "hybridpd_answer_tokens:hit")

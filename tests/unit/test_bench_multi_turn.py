@@ -289,3 +289,39 @@ def test_handoff_bytes_against_the_bound_of_the_new_tokens() -> None:
         "repeat 1: user1/round3"
     )
     assert handoff_geometry(RECORDS) is None  # no handoff figures (vLLM, plain vLLM)
+
+
+def test_an_answer_the_client_did_not_get_whole_is_not_in_the_ideal() -> None:
+    """An answer cut at a character (``answer_cut``) cannot be kept: the next round's
+    ideal is past the previous prompt only, and the protocol's hit is not expected."""
+    u = 16
+    cut = [rec(1, 1, 278, 0, answer_cut=True), rec(1, 2, 460, 272), rec(1, 3, 642, 576)]
+    rs = per_request(cut)
+    assert [r["ideal_tokens"] for r in rs][1:] == [460 - 278, 642 - 588]
+    assert [r["previous_answer_cut"] for r in rs][1:] == [True, False]
+    out = checks({"stack-vllm": _variant(cut)}, u)
+    assert out["stack_vllm_ok"] and out["stack_vllm_over_bound"] == []
+    whole = [dict(r, answer_cut=False) for r in cut]
+    assert checks({"stack-vllm": _variant(whole)}, u)["stack_vllm_over_bound"] == ["repeat 1: user1/round2"]
+    # answers-cached: no protocol hit expected after a cut answer; prompt-only: the answer is in the ideal
+    po = [rec(1, 1, 278, 0, answer_cut=True), rec(1, 2, 460, 272), rec(1, 3, 642, 448)]
+    v = {"answers-cached": _variant(cut), "prompt-only": _variant(po, started=40.0)}
+    out = checks(v, u)
+    assert out["answers_cached_hit_not_predicted"] == [] and out["prompt_only_recomputes_answer"]
+    assert checks({"answers-cached": _variant(whole)}, u)["answers_cached_hit_not_predicted"] == [
+        "repeat 1: user1/round2: cached 272, protocol 400"
+    ]
+
+
+def test_answer_cut_by_the_router_s_tokenizer() -> None:
+    """``answer_cut`` on the bundled tokenizer: ids that end inside a character
+    (the router sends no text for them) or in a special id are cut; whole ones are not."""
+    from bench.multi_turn_run import answer_cut, native_encoders
+
+    enc = native_encoders()
+    assert enc.decode is not None and enc.special_ids
+    ids = enc.text_ids("ok \U0001f600")
+    assert not answer_cut(ids, enc.decode, enc.special_ids)
+    assert answer_cut(ids[:-1], enc.decode, enc.special_ids)
+    assert answer_cut([*ids, min(enc.special_ids)], enc.decode, enc.special_ids)
+    assert not answer_cut([], enc.decode, enc.special_ids)
