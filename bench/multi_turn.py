@@ -14,9 +14,9 @@ What a request ideally recomputes (``ideal``):
   of the same user: the template's end of the previous answer, the new user
   message and the next generation prompt; everything before it (the previous
   prompt and the answer's ids) was computed by the engine already. Where the
-  client did not get the previous answer's text whole (``answer_cut``: it ends in
-  a cut character; the router keeps no such answer), ``prompt_tokens(r) -
-  prompt_tokens(r-1)``: the next prompt holds another tokenization of it;
+  answer ends inside a character (the client got the text before it),
+  ``completion_tokens(r-1)`` counts only the ids before the cut
+  (``answer_kept_tokens``: what the router keeps of it);
 * round 1: ``prompt_tokens`` minus the longest token prefix it shares with
   an earlier user's round-1 prompt (the system prompt's shared part; the
   first user: nothing), reported per round but not in the overall figures.
@@ -117,10 +117,11 @@ def _ratio(a: float, b: float) -> float | None:
 def per_request(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Add the arithmetic to each record (in sending order; ``user``, ``round``,
     ``prompt_tokens``, ``cached_tokens``, ``completion_tokens``, and for round 1
-    ``shared_tokens``; ``answer_cut`` where known): ``recomputed_tokens``,
+    ``shared_tokens``; ``answer_kept_tokens`` where known): ``recomputed_tokens``,
     ``ideal_tokens``, ``answer_tokens`` (the previous answer's length),
     ``answer_hit_tokens`` (from usage: cached tokens past the previous prompt, at
-    most the answer; None in round 1), ``previous_answer_cut``."""
+    most the answer; None in round 1), ``previous_answer_kept`` (the ids of the
+    previous answer the router keeps: all but those of a character cut at its end)."""
     prev: dict[Any, dict[str, Any]] = {}
     out = []
     for r in records:
@@ -131,13 +132,12 @@ def per_request(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             x["ideal_tokens"] = r["prompt_tokens"] - r.get("shared_tokens", 0)
             x["answer_tokens"] = 0
             x["answer_hit_tokens"] = None
-            x["previous_answer_cut"] = False
+            x["previous_answer_kept"] = 0
         else:
-            # an answer the client did not get whole (``answer_cut``) cannot be kept: the
-            # engine computed its ids, but the next prompt holds another tokenization of them
-            before = p["prompt_tokens"] + (0 if p.get("answer_cut") else p["completion_tokens"])
-            x["ideal_tokens"] = r["prompt_tokens"] - before
-            x["previous_answer_cut"] = bool(p.get("answer_cut"))
+            # an answer cut inside a character: the next prompt holds the text before the cut
+            kept = p.get("answer_kept_tokens", p["completion_tokens"])
+            x["ideal_tokens"] = r["prompt_tokens"] - (p["prompt_tokens"] + kept)
+            x["previous_answer_kept"] = kept
             x["answer_tokens"] = p["completion_tokens"]
             x["answer_hit_tokens"] = min(max(r["cached_tokens"] - p["prompt_tokens"], 0), p["completion_tokens"])
         prev[r["user"]] = r
@@ -287,15 +287,14 @@ def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
             "user%d/round%d: cached %d, protocol %d" % (r["user"], r["round"], r["cached_tokens"], want)
             for r in later
             for p in [prev[(r["user"], r["round"] - 1)]]
-            for want in [predicted_hit(p["prompt_tokens"], p["completion_tokens"], unit)]
-            if r["cached_tokens"] != want and not r.get("previous_answer_cut")
+            for want in [predicted_hit(p["prompt_tokens"], r["previous_answer_kept"], unit)]
+            if r["cached_tokens"] != want
         ]
     if po is not None:
         out["prompt_only_not_recomputing_answer"] = [
             "user%d/round%d" % (r["user"], r["round"])
             for r in po["requests"]
-            if r["round"] >= 2
-            and r["recomputed_tokens"] < r["ideal_tokens"] + (0 if r.get("previous_answer_cut") else r["answer_tokens"])
+            if r["round"] >= 2 and r["recomputed_tokens"] < r["ideal_tokens"] + r["previous_answer_kept"]
         ]
     for name in ("answers-cached", "prompt-only"):
         v = variants.get(name)

@@ -102,21 +102,23 @@ def router_encoders(tokenizer_dir: Path) -> Encoders:
     )
 
 
-def answer_cut(ids: list[int], decode: Callable[[list[int]], str], special: frozenset[int]) -> bool:
-    """Whether the client did not get the text of every one of an answer's ``ids``
-    (trailing stop ids stripped): they end in a cut character (the router drops an
-    incomplete character at the end of a stream) or in an id that decodes to no text.
-    The router keeps no answer checkpoint then (``Orchestrator._keep_answer``): the
-    next prompt holds the text, not the ids, so its ideal is the previous prompt's.
+def kept_tokens(ids: list[int], decode: Callable[[list[int]], str], text: str) -> int:
+    """How many of an answer's generated ``ids`` the router keeps as the answer:
+    the most leading ids whose text is exactly the ``text`` the client got (all of
+    them, unless the answer ends inside a character: the router then keeps the ids
+    before the cut, ``IncrementalDetokenizer.received``; none where no prefix is).
 
-    >>> answer_cut([1, 2], lambda ids: "ab\ufffd", frozenset())
-    True
-    >>> answer_cut([1, 2], lambda ids: "ab", frozenset({2}))
-    True
-    >>> answer_cut([1, 2], lambda ids: "ab", frozenset())
-    False
+    >>> kept_tokens([1, 2, 3], lambda ids: "abc"[: len(ids)], "abc")
+    3
+    >>> kept_tokens([1, 2, 3], lambda ids: ["", "a", "ab", "ab\ufffd"][len(ids)], "ab")
+    2
+    >>> kept_tokens([1, 2], lambda ids: "x", "y")
+    0
     """
-    return bool(ids) and (decode(ids).endswith("\ufffd") or ids[-1] in special)
+    for k in range(len(ids), 0, -1):
+        if decode(ids[:k]) == text:
+            return k
+    return 0
 
 
 def _send(client: httpx.Client, url: str, msgs: Messages, w: Workload) -> dict[str, Any]:
@@ -261,7 +263,7 @@ def run_conversations(
                         rec["retokenized_differs_nonspecial"] = again != [i for i in gen if i not in enc.special_ids]
                     rec["answer_ids"] = gen
                     if enc.decode is not None:
-                        rec["answer_cut"] = answer_cut(gen, enc.decode, enc.special_ids or frozenset())
+                        rec["answer_kept_tokens"] = kept_tokens(list(res["ids"]), enc.decode, res["text"])
                 rec["answer_text"] = res["text"]
                 if native:
                     rec["metric_answer_hit"] = _delta(after, before, "hybridpd_answer_tokens:hit")

@@ -25,6 +25,10 @@ class ChatMessage:
     content: str
 
 
+#: how many of a chat's last assistant messages ``chat_prompt`` asks its ``recall`` for
+RECALL_TRIES = 4
+
+
 class TextTokenizer:
     def __init__(self, model_dir: Path) -> None:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -77,10 +81,11 @@ class TextTokenizer:
         the end of an answer is ``text``, the answer's ids as this model
         generated them (the router's answer memory), and where the answer
         starts among them; or None. When it knows the text up to the end of the
-        last assistant message, those ids stand for it, and only the rest is
-        tokenized: the prompt continues the exact ids the engine computed,
-        which re-tokenizing the answer's text need not reproduce
-        (``answer_span`` then says where that answer's ids lie).
+        last assistant message, or else of one of the :data:`RECALL_TRIES` last
+        ones (the last answer was not kept, or edited), those ids stand for it,
+        and only the rest is tokenized: the prompt continues the exact ids the
+        engine computed, which re-tokenizing the answers' text need not
+        reproduce (``answer_span`` then says where that answer's ids lie).
         """
         text = self._render(messages, add_generation_prompt)
         starts: list[int] = []  # char offset where each message's content starts
@@ -91,16 +96,19 @@ class TextTokenizer:
                 return ChatPrompt(self.encode(text), text)
             starts.append(i)
             at = i + len(m.content)
-        last_answer = max((i for i, m in enumerate(messages) if m.role == "assistant"), default=-1)
         head: Sequence[int] = ()
         cut = 0  # chars of ``text`` that ``head`` stands for
         span = None
-        if recall is not None and last_answer >= 0:
-            end = starts[last_answer] + len(messages[last_answer].content)
+        answers = [i for i, m in enumerate(messages) if m.role == "assistant"][::-1][:RECALL_TRIES]
+        for i in answers:
+            if recall is None:
+                break
+            end = starts[i] + len(messages[i].content)
             got = recall(text[:end])
             if got is not None:
                 head, cut = got[0], end
                 span = (got[1], len(head))
+                break
         enc = self.tok.encode(text[cut:], add_special_tokens=False)
         n_sys = 0
         while n_sys < len(messages) and messages[n_sys].role == "system":
@@ -152,6 +160,18 @@ class IncrementalDetokenizer:
         """The ids whose text is not in ``emitted`` (an incomplete character, or
         ids that decode to nothing, e.g. special tokens, at the end)."""
         return self.ids[self._read :]
+
+    def received(self) -> int | None:
+        """How many leading ids ``emitted`` is exactly the text of: all of them, or
+        where the ids end inside a character (a stream cut at its last id), those
+        before the cut, found by decoding (the unread ids are a character's few
+        bytes); None where no such prefix exists (a token that spans the cut)."""
+        if not self.unread:
+            return len(self.ids)
+        for k in range(len(self.ids), self._read - 1, -1):
+            if self.tokenizer.decode(self.ids[:k]) == self.emitted:
+                return k
+        return None
 
     def push(self, new_ids: Sequence[int], final: bool = False) -> str:
         """The text ``new_ids`` add; ``final`` (no ids follow): an incomplete

@@ -243,17 +243,19 @@ class Orchestrator:
     def _keep_answer(self, run: _Run, plan: AnswerPlan, out: OutputProcessor) -> None:
         """Make a normally ended chat answer reusable (``answers.py``): remember its
         ids under its text, and ask the prefill instance that served the prompt
-        to prefill prompt + answer at low priority. Nothing after a stop string
-        (the client did not receive every token) or past the context."""
+        to prefill prompt + answer at low priority. Where the answer ends inside a
+        character (the client got the text before it), the ids before the cut are
+        the answer. Nothing after a stop string (the client did not receive every
+        token) or past the context."""
         if out.stopped_on_string or run.finish_reason not in ("stop", "length") or run.instance is None:
             return
         if run.status != "ok":  # e.g. the client went away at the last event
             return
         stops = self.tokenizer.stop_token_ids
-        unread = out.detok.unread
-        if unread and not (len(unread) == 1 and unread[0] in stops):
-            return  # the client did not get the text of every id (a character cut at the end)
-        req, gen = run.req, out.detok.ids
+        received = out.detok.received()
+        if received is None:
+            return  # no ids are exactly the text the client got
+        req, gen = run.req, out.detok.ids[:received]
         prompt = req.prompt_token_ids
         self.answers.remember(
             plan.salt, plan.prompt_text + out.detok.emitted, prompt + strip_stop(gen, stops), len(prompt)

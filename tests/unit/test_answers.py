@@ -16,7 +16,7 @@ from hybridpd.engine.native.scheduler import Scheduler
 from hybridpd.engine.native.scheduler_config import SchedulerConfig
 from hybridpd.engine.native.sequence import Sequence
 from hybridpd.models.bundled import resolve_model_dir
-from hybridpd.tokenizer import ChatMessage, TextTokenizer
+from hybridpd.tokenizer import ChatMessage, IncrementalDetokenizer, TextTokenizer
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
@@ -82,6 +82,19 @@ def test_recalled_ids_stand_for_the_answer_text() -> None:
     assert got.ids[len(ids) :] == plain.ids[len(plain.ids) - len(got.ids) + len(ids) :]
     # the last user turn's boundary is still found after the recalled part
     assert got.boundaries and TOK.decode(got.ids[got.boundaries[-1] :]).startswith("Again.")
+
+
+def test_an_earlier_answer_is_recalled_when_the_last_one_is_not_known() -> None:
+    """The last answer was not kept (or was edited): the ids of the one before it
+    still stand for its text, and only the rest is tokenized."""
+    answer = [TOK.tok.token_to_id(c) for c in "hello"]
+    nxt, key, ids, _ = _turn(answer)  # type: ignore[arg-type]
+    mem = AnswerMemory()
+    mem.remember(None, key, ids, len(ids) - len(answer))
+    later = [*nxt, ChatMessage("assistant", "unknown answer"), ChatMessage("user", "Once more.")]
+    got = TOK.chat_prompt(later, recall=lambda t: mem.recall(None, t))
+    assert got.ids[: len(ids)] == list(ids) and got.answer_span == (len(ids) - len(answer), len(ids))
+    assert TOK.decode(got.ids) == TOK.decode(TOK.chat_prompt(later).ids)
 
 
 def test_nothing_recalled_for_another_answer_or_tenant() -> None:
@@ -211,11 +224,14 @@ def test_a_prefill_actor_without_answers_does_not_fail_the_request() -> None:
     assert events[-1].finished and events[-1].usage is not None
 
 
-def test_no_answer_checkpoint_when_the_last_character_was_cut() -> None:
+def test_an_answer_cut_inside_a_character_is_kept_up_to_the_cut() -> None:
     """A length finish inside a multi-byte character: the client gets the complete
-    text before it, and no answer is remembered or checkpointed (it would cover
-    bytes the client never received)."""
+    text before it, and the answer remembered and checkpointed is the ids of that
+    text (the cut character's bytes are not part of it: the next turn's prompt
+    holds the text the client got)."""
     ids = TOK.encode("héllo 🙂")[:-2]  # two of the emoji's four byte tokens
+    whole = TOK.encode("héllo ")
+    assert ids[: len(whole)] == whole and len(ids) > len(whole)
     pre = _AnswerPrefill("prefill-0", tokens=ids, produce=len(ids), finish="length", ticket=False)
     orch = _orch(pre)
     req = EngineRequest(RequestId("r1"), PROMPT, SamplingParams(max_tokens=len(ids)))
@@ -225,7 +241,24 @@ def test_no_answer_checkpoint_when_the_last_character_was_cut() -> None:
 
     events = asyncio.run(go())
     assert "".join(ev.text for ev in events) == "héllo "  # flushed at the end, not lost
-    assert pre.answers == [] and len(orch.answers) == 0
+    (warm,) = pre.answers
+    assert warm.prompt_token_ids == PROMPT + tuple(whole)
+    assert _got(orch.answers.recall(None, "xhéllo ")) == (PROMPT + tuple(whole), len(PROMPT))
+
+
+def test_the_ids_the_client_got_the_text_of() -> None:
+    """``IncrementalDetokenizer.received``: every id when nothing is unread (a trailing
+    stop id has no text); before the cut when the ids end inside a character."""
+    ids = TOK.encode("héllo 🙂")
+    d = IncrementalDetokenizer(TOK)
+    d.push(ids, final=True)
+    assert d.received() == len(ids)
+    d = IncrementalDetokenizer(TOK)
+    d.push(ids[:-1], final=True)
+    assert d.emitted == "héllo " and d.received() == len(TOK.encode("héllo "))
+    d = IncrementalDetokenizer(TOK)
+    d.push([*ids, *TOK.stop_token_ids[:1]], final=True)
+    assert d.received() == len(ids) + 1
 
 
 # -- the prefill side ---------------------------------------------------------------------------

@@ -291,37 +291,44 @@ def test_handoff_bytes_against_the_bound_of_the_new_tokens() -> None:
     assert handoff_geometry(RECORDS) is None  # no handoff figures (vLLM, plain vLLM)
 
 
-def test_an_answer_the_client_did_not_get_whole_is_not_in_the_ideal() -> None:
-    """An answer cut at a character (``answer_cut``) cannot be kept: the next round's
-    ideal is past the previous prompt only, and the protocol's hit is not expected."""
+def test_an_answer_cut_inside_a_character_counts_the_ids_before_the_cut() -> None:
+    """An answer that ends inside a character (``answer_kept_tokens`` below the
+    completion): the router keeps the ids before the cut, so the next round's ideal
+    and the protocol's hit count only those."""
     u = 16
-    cut = [rec(1, 1, 278, 0, answer_cut=True), rec(1, 2, 460, 272), rec(1, 3, 642, 576)]
+    cut = [rec(1, 1, 278, 0, answer_kept_tokens=126), rec(1, 2, 458, 400), rec(1, 3, 640, 576)]
     rs = per_request(cut)
-    assert [r["ideal_tokens"] for r in rs][1:] == [460 - 278, 642 - 588]
-    assert [r["previous_answer_cut"] for r in rs][1:] == [True, False]
+    assert [r["ideal_tokens"] for r in rs][1:] == [458 - 404, 640 - 586]
+    assert [r["previous_answer_kept"] for r in rs][1:] == [126, 128]
     out = checks({"stack-vllm": _variant(cut)}, u)
     assert out["stack_vllm_ok"] and out["stack_vllm_over_bound"] == []
-    whole = [dict(r, answer_cut=False) for r in cut]
-    assert checks({"stack-vllm": _variant(whole)}, u)["stack_vllm_over_bound"] == ["repeat 1: user1/round2"]
-    # answers-cached: no protocol hit expected after a cut answer; prompt-only: the answer is in the ideal
-    po = [rec(1, 1, 278, 0, answer_cut=True), rec(1, 2, 460, 272), rec(1, 3, 642, 448)]
-    v = {"answers-cached": _variant(cut), "prompt-only": _variant(po, started=40.0)}
-    out = checks(v, u)
-    assert out["answers_cached_hit_not_predicted"] == [] and out["prompt_only_recomputes_answer"]
-    assert checks({"answers-cached": _variant(whole)}, u)["answers_cached_hit_not_predicted"] == [
-        "repeat 1: user1/round2: cached 272, protocol 400"
+    # answers-cached: the protocol's hit is the tail of prompt + kept ids ((278 + 126 - 1) // 16 * 16)
+    v = {"answers-cached": _variant(cut), "prompt-only": _variant(cut, started=40.0)}
+    assert checks(v, u)["answers_cached_hit_not_predicted"] == []
+    kept_none = [dict(cut[0], answer_kept_tokens=0), *cut[1:]]
+    assert checks({"answers-cached": _variant(kept_none)}, u)["answers_cached_hit_not_predicted"] == [
+        "repeat 1: user1/round2: cached 400, protocol 272"
     ]
+    # prompt-only recomputes at least the kept answer besides the ideal
+    po = [rec(1, 1, 278, 0, answer_kept_tokens=126), rec(1, 2, 458, 272), rec(1, 3, 640, 448)]
+    assert checks({**v, "prompt-only": _variant(po, started=40.0)}, u)["prompt_only_recomputes_answer"]
+    po_hit = [po[0], rec(1, 2, 458, 288), po[2]]
+    assert not checks({**v, "prompt-only": _variant(po_hit, started=40.0)}, u)["prompt_only_recomputes_answer"]
 
 
-def test_answer_cut_by_the_router_s_tokenizer() -> None:
-    """``answer_cut`` on the bundled tokenizer: ids that end inside a character
-    (the router sends no text for them) or in a special id are cut; whole ones are not."""
-    from bench.multi_turn_run import answer_cut, native_encoders
+def test_kept_tokens_by_the_router_s_tokenizer() -> None:
+    """``kept_tokens`` on the bundled tokenizer agrees with the router's own rule
+    (``IncrementalDetokenizer.received``) on whole answers and cut ones."""
+    from bench.multi_turn_run import kept_tokens, native_encoders
+    from hybridpd.model_files import TOKENIZER_DIR
+    from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 
     enc = native_encoders()
-    assert enc.decode is not None and enc.special_ids
+    assert enc.decode is not None
+    tok = TextTokenizer(TOKENIZER_DIR)
     ids = enc.text_ids("ok \U0001f600")
-    assert not answer_cut(ids, enc.decode, enc.special_ids)
-    assert answer_cut(ids[:-1], enc.decode, enc.special_ids)
-    assert answer_cut([*ids, min(enc.special_ids)], enc.decode, enc.special_ids)
-    assert not answer_cut([], enc.decode, enc.special_ids)
+    for gen in (ids, ids[:-1], ids[:-2], [*ids, *tok.stop_token_ids[:1]]):
+        d = IncrementalDetokenizer(tok)
+        d.push(gen, final=True)
+        assert kept_tokens(gen, enc.decode, d.emitted) == d.received()
+    assert kept_tokens(ids[:-1], enc.decode, "ok ") == len(enc.text_ids("ok "))
