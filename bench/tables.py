@@ -282,6 +282,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "overhead": ("overhead.json", _module_markdown("bench.overhead")),
     "vllm-client": ("vllm_client.json", _vllm_client),
     "vllm-client-pd-quick": ("vllm_client_pd_quick.json", _vllm_client),
+    "vllm-client-pd": ("vllm_client_pd.json", _vllm_client),
     "router": ("router.json", _module_markdown("bench.router")),
     "index-scale": ("index_scale.json", _module_markdown("bench.index_scale")),
     "index-scale-quick": ("index_scale_quick.json", _module_markdown("bench.index_scale")),
