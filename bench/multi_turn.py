@@ -268,6 +268,12 @@ ANSWER_VARIANTS = {"answers-cached": "answers_cached", "stack-vllm": "stack_vllm
 STACK_VLLM_ANSWER_HIT_MIN, STACK_VLLM_TTFT_MAX = 0.9, 1.1
 
 
+def _kept(r: dict[str, Any]) -> int:
+    """The previous answer's ids the router keeps (records of runs before
+    ``answer_kept_tokens`` was recorded: the whole answer)."""
+    return int(r.get("previous_answer_kept", r["answer_tokens"]))
+
+
 def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
     """The per-request checks of one repeat (``{name: that repeat's result}``)."""
     out: dict[str, Any] = {}
@@ -287,14 +293,14 @@ def _checks_one(variants: dict[str, Any], unit: int) -> dict[str, Any]:
             "user%d/round%d: cached %d, protocol %d" % (r["user"], r["round"], r["cached_tokens"], want)
             for r in later
             for p in [prev[(r["user"], r["round"] - 1)]]
-            for want in [predicted_hit(p["prompt_tokens"], r["previous_answer_kept"], unit)]
+            for want in [predicted_hit(p["prompt_tokens"], _kept(r), unit)]
             if r["cached_tokens"] != want
         ]
     if po is not None:
         out["prompt_only_not_recomputing_answer"] = [
             "user%d/round%d" % (r["user"], r["round"])
             for r in po["requests"]
-            if r["round"] >= 2 and r["recomputed_tokens"] < r["ideal_tokens"] + r["previous_answer_kept"]
+            if r["round"] >= 2 and r["recomputed_tokens"] < r["ideal_tokens"] + _kept(r)
         ]
     for name in ("answers-cached", "prompt-only"):
         v = variants.get(name)

@@ -312,6 +312,9 @@ def test_an_answer_cut_inside_a_character_counts_the_ids_before_the_cut() -> Non
     # prompt-only recomputes at least the kept answer besides the ideal
     po = [rec(1, 1, 278, 0, answer_kept_tokens=126), rec(1, 2, 458, 272), rec(1, 3, 640, 448)]
     assert checks({**v, "prompt-only": _variant(po, started=40.0)}, u)["prompt_only_recomputes_answer"]
+    # records of a run before answer_kept_tokens was recorded are checked as whole answers
+    old = {**v, "answers-cached": {**v["answers-cached"], "repeats": [_without_kept(v["answers-cached"])]}}
+    assert checks(old, u)["answers_cached_hit_not_predicted"] == []  # protocol (278 + 128 - 1) // 16 * 16
     po_hit = [po[0], rec(1, 2, 458, 288), po[2]]
     assert not checks({**v, "prompt-only": _variant(po_hit, started=40.0)}, u)["prompt_only_recomputes_answer"]
 
@@ -332,3 +335,8 @@ def test_kept_tokens_by_the_router_s_tokenizer() -> None:
         d.push(gen, final=True)
         assert kept_tokens(gen, enc.decode, d.emitted) == d.received()
     assert kept_tokens(ids[:-1], enc.decode, "ok ") == len(enc.text_ids("ok "))
+
+
+def _without_kept(variant: dict) -> dict:
+    one = variant["repeats"][0]
+    return {**one, "requests": [{k: x for k, x in r.items() if k != "previous_answer_kept"} for r in one["requests"]]}
