@@ -252,7 +252,10 @@ class Orchestrator:
         if run.status != "ok":  # e.g. the client went away at the last event
             return
         stops = self.tokenizer.stop_token_ids
-        received = out.detok.received()
+        unread = out.detok.unread
+        # NOTE: the usual end (nothing unread, or the stop id) needs no decode on the event loop
+        whole = not unread or (len(unread) == 1 and unread[0] in stops)
+        received = len(out.detok.ids) if whole else out.detok.received()
         if received is None:
             return  # no ids are exactly the text the client got
         req, gen = run.req, out.detok.ids[:received]
