@@ -176,6 +176,16 @@ class HybridPDConfig(BaseModel):
     routing: Literal["cache_aware", "round_robin"] = Field(
         "cache_aware", description="cache_aware: cost over hits and load; round_robin: ignore the index."
     )
+    token_channel: Literal["zmq", "ray"] = Field(
+        "zmq",
+        description="How decode actors stream tokens to the router: zmq (one socket per actor and router,"
+        " no Ray object per token) or ray (a Ray streaming generator per request: a Ray object per chunk).",
+    )
+    token_sink_host: str = Field(
+        "127.0.0.1",
+        description="Address the router's token sink binds and decode actors send to (token_channel zmq);"
+        " 'auto' = the router's Ray node IP.",
+    )
     decode_affinity_slack: int = Field(
         4,
         ge=1,

@@ -28,6 +28,7 @@ from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import listen_ports, port_open
 from hybridpd.store.master import MooncakeMaster
 from services.worker.api import DecodeClient, PrefillClient, decode_name, prefill_name
+from services.worker.token_channel import TokenSink, token_sink_host
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -56,6 +57,7 @@ class LocalStack:
         self.redis: RedisServer | None = None
         self.master: MooncakeMaster | None = None
         self.ray_started = False
+        self.token_sink: TokenSink | None = None
         #: the workers' Ray actor handles, by instance name
         self.prefill: dict[str, ActorHandle[Any]] = {}
         self.decode: dict[str, ActorHandle[Any]] = {}
@@ -269,7 +271,8 @@ class LocalStack:
         )
         tok = TextTokenizer(Path(resolve_model(self.cfg)))
         prefill = {n: PrefillClient(n, h) for n, h in self.prefill.items()}
-        decode = {n: DecodeClient(n, h) for n, h in self.decode.items()}
+        sink = self.token_sink = TokenSink(token_sink_host(self.cfg)) if self.cfg.token_channel == "zmq" else None
+        decode = {n: DecodeClient(n, h, sink) for n, h in self.decode.items()}
         return Orchestrator(self.cfg, tok, self.model_id, index, prefill, decode, RouterMetrics())
 
     async def actor_stats(self) -> dict:
@@ -295,6 +298,9 @@ class LocalStack:
             except Exception:  # an actor that is already gone needs no closing
                 logger.debug("actor close failed", exc_info=True)
         self.prefill, self.decode = {}, {}
+        if self.token_sink is not None:
+            self.token_sink.close()
+            self.token_sink = None
         if self.ray_started:
             import ray
 

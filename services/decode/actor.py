@@ -37,6 +37,7 @@ from services.worker.engine_loop import EngineLoop
 from services.worker.index_mirror import IndexMirror
 from services.worker.messages import PrefillResult, TokenChunk
 from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS, DecodeCounters
+from services.worker.token_channel import TokenSender
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class DecodeWorker(WorkerBase):
         )
         self.mirror = IndexMirror(name, self.index, self.counters, self.stats_lock) if self.index else None
         self.loop = EngineLoop(self.engine, after_step=self._collect_events)
+        self.sender = TokenSender()
         self._stop = threading.Event()
         if self.index is not None:
             threading.Thread(target=self._refresh, name="index-refresh", daemon=True).start()
@@ -91,10 +93,16 @@ class DecodeWorker(WorkerBase):
             except UnavailableError:
                 logger.debug("index refresh failed: index unavailable")
 
-    def generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
-        """Continue ``request`` from its prefill; yields chunks until finished."""
+    def generate(self, prefill: PrefillResult, request: EngineRequest, sink: str | None = None) -> Iterator[TokenChunk]:
+        """Continue ``request`` from its prefill; yields chunks until finished, or with
+        ``sink`` (a router's ``TokenSink`` address) sends them there and yields nothing
+        (``token_channel.py``): this call then only ends, or raises, with the request."""
         with self.engine_errors():
-            yield from self._generate(prefill, request)
+            for chunk in self._generate(prefill, request):
+                if sink is None:
+                    yield chunk
+                else:
+                    self.sender.send(sink, request.request_id, chunk)
 
     def _fetch(self, prefill: PrefillResult, request: EngineRequest) -> HandoffTicket | None:
         """The handoff's bytes, moved and verified by the engine (outside the engine lock);
@@ -184,6 +192,7 @@ class DecodeWorker(WorkerBase):
     def close(self) -> None:
         self._stop.set()
         self.loop.close()
+        self.sender.close()
         if self.mirror is not None:
             self.mirror.close()
         self.engine.close()

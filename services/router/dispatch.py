@@ -380,6 +380,7 @@ class Dispatcher:
                 self.metrics.retries.labels("handoff").inc()
                 pr = await self._prefill_again(pr, req, flight, deadline)
             finally:
+                stream.close()
                 self.decoding[name] -= 1
 
     async def _pick_decode(self, req: EngineRequest, avoid: str | None = None) -> str:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from hybridpd.engine.base import EngineRequest
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
+from services.worker.token_channel import SinkStream, TokenSink
 
 #: chunks a decode stream may run ahead of the router; past that the decode
 #: actor waits and merges what the engine produced meanwhile into one chunk
@@ -85,6 +86,9 @@ class DecodeStream:
     def __init__(self, gen: object) -> None:
         self._gen = gen
 
+    def close(self) -> None:
+        """Stop reading (the request's abort goes to the actor separately)."""
+
     async def next(self) -> TokenChunk | None:
         """The next chunk, None at the stream's end; raises what the decode raised."""
         try:
@@ -97,8 +101,20 @@ class DecodeStream:
 
 
 class DecodeClient(WorkerClient):
-    def generate(self, pr: PrefillResult, req: EngineRequest) -> DecodeStream:
-        """Decode ``req`` from ``pr``'s handoff (``DecodeWorker.generate``), at most
-        :data:`STREAM_AHEAD` chunks ahead of the reader."""
+    """``sink``: the router's token sink (``token_channel: zmq``); None streams every
+    chunk as a Ray object (``token_channel: ray``)."""
+
+    def __init__(self, name: str, handle: ActorHandle, sink: TokenSink | None = None) -> None:
+        super().__init__(name, handle)
+        self.sink = sink
+
+    def generate(self, pr: PrefillResult, req: EngineRequest) -> DecodeStream | SinkStream:
+        """Decode ``req`` from ``pr``'s handoff (``DecodeWorker.generate``): its chunks
+        through the sink, or as Ray objects at most :data:`STREAM_AHEAD` ahead of the reader."""
+        if self.sink is not None:
+            method = self.handle.generate.options(num_returns="streaming")
+            stream = SinkStream(self.sink, req.request_id)
+            stream.attach(method.remote(pr, req, stream.address))  # type: ignore[arg-type]  # a Ray generator
+            return stream
         method = self.handle.generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD)
         return DecodeStream(method.remote(pr, req))

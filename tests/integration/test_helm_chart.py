@@ -297,6 +297,7 @@ def test_rendered_config_file_loads_with_hybridpd_config(
         assert getattr(cfg, key) == value, key
     assert cfg.num_prefill == v.get("ray", {}).get("prefill", {}).get("replicas", 2)
     assert cfg.actor_placement == "worker_groups" and cfg.store_host == "auto" and cfg.ray_address == "auto"
+    assert cfg.token_sink_host == "auto"  # decode pods send tokens to the router pod's IP
     assert cfg.host == "0.0.0.0" and cfg.http_port == 8000 and cfg.grpc_port == 50051
     assert cfg.mooncake_master and cfg.mooncake_metadata_url and cfg.redis_url
     assert cfg.redis_cluster == v.get("redis", {}).get("cluster", False)

@@ -425,7 +425,7 @@ class KVEventFeed:
         from vllm.distributed.kv_events import KVEventBatch
 
         decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.connect(endpoint)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
