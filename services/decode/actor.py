@@ -12,10 +12,11 @@ it keeps) are mirrored into this instance's index entries
 (``worker/index_mirror.py``): the router sends a conversation's next turn to
 the decode instance that holds its previous ones (``routing.choose_decode``).
 
-``generate`` is a generator: the actor yields :class:`TokenChunk` objects as
-the engine produces them (a Ray streaming generator), the last one with
-``finished`` set. ``abort`` (or the caller dropping the stream) frees the
-request's blocks.
+``generate`` is a generator (a Ray streaming generator): the actor sends
+:class:`TokenChunk` objects as the engine produces them to the router's token
+sink (``worker/token_channel.py``), or yields them (``token_channel: ray``),
+the last one with ``finished`` set. ``abort`` (or the caller dropping the
+stream) frees the request's blocks.
 """
 
 from __future__ import annotations

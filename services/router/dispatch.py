@@ -5,7 +5,8 @@
              -> routing.choose (cost = tokens to compute + store loads + queued work)
     prefill  the routed prefill actor; a dead or unavailable one: once more on
              the next instance by name (recomputing whatever it lacks)
-    decode   a Ray streaming generator on a decode actor: the one whose prefix
+    decode   a Ray streaming generator on a decode actor (its chunks over the
+             token sink, token_channel.py): the one whose prefix
              cache holds the prompt's leading blocks (the conversation's previous
              turns: its handoff moves only the new ones) unless it is overloaded,
              else round robin (routing.choose_decode);
