@@ -223,3 +223,26 @@ def test_ttft_checks_against_vllm_pd() -> None:
     out = checks({"stack-vllm": variant({"fanout_ids": 90.0, "tree_ids": 61.0}), "stack-vllm-1p1d": one, "vllm-pd": pd})
     assert out["stack_vllm_1p1d_ttft_below_vllm_pd"] and out["stack_vllm_1p1d_ttft_not_below_vllm_pd"] == []
     assert out["stack_vllm_ttft_not_below_vllm_pd"] == ["fanout_ids", "tree_ids"]
+
+
+def test_plan_ttft_p50_against_vllm_pd() -> None:
+    """Issue #25 on the whole workload: the TTFT p50 over every request of the plan
+    (median over repeats), ours against vllm-pd's; a tie is not below."""
+    from bench.shared_prefix_run import checks, plan_ttft_p50
+
+    def variant(*repeats: list[float]) -> dict:
+        reps = [{"requests": [{"ttft_ms": t} for t in ttfts]} for ttfts in repeats]
+        phases = {"fanout_ids": {"hit_ratio": 1.0, "ttft_p50_ms": 1.0}}
+        return {"phases": phases, "repeats": reps, "prompt_tokens_match": True, "provenance": []}
+
+    pd = variant([70.0, 80.0, 200.0], [60.0, 90.0, 95.0], [10.0, 85.0, 300.0])  # p50s 80, 90, 85
+    assert plan_ttft_p50(pd) == 85.0
+    assert plan_ttft_p50({"requests": [{"ttft_ms": 5.0}, {"ttft_ms": 7.0}]}) == 6.0  # one run: its own
+    assert plan_ttft_p50({"phases": {}}) is None
+    ours = variant([40.0, 84.0, 500.0], [84.0, 84.0, 1.0], [99.0, 100.0, 1.0])  # p50s 84, 84, 99
+    out = checks({"stack-vllm": ours, "stack-vllm-1p1d": variant([85.0]), "vllm-pd": pd})
+    assert (
+        out["stack_vllm_plan_ttft_p50_vs_vllm_pd"] == round(84.0 / 85.0, 3)
+        and out["stack_vllm_plan_ttft_below_vllm_pd"]
+    )
+    assert out["stack_vllm_1p1d_plan_ttft_p50_vs_vllm_pd"] == 1.0 and not out["stack_vllm_1p1d_plan_ttft_below_vllm_pd"]
