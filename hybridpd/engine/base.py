@@ -261,12 +261,6 @@ class Engine(Protocol):
         """Whether ``step()`` has anything to do (the loop sleeps otherwise)."""
         ...
 
-    def poll_delay_s(self) -> float:
-        """With work but nothing to compute (only bookkeeping to poll, e.g. a
-        connector holding KV for decode): how long the loop may wait before the
-        next step, outside the engine lock (a submit wakes it); 0: step now."""
-        ...
-
     def pop_handoff(self, request_id: str) -> HandoffTicket | None:
         """The ticket of a finished ``prefill_only`` request (None if it has none:
         it finished at its first token). Called without the engine lock."""

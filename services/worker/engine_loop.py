@@ -122,16 +122,12 @@ class EngineLoop:
         while not self._stop.is_set():
             with self.lock:
                 busy = self.engine.has_work()
-                delay = self.engine.poll_delay_s() if busy else 0.0
             if not busy:
                 # NOTE: submit() and abort() set _wake, and has_work() is checked again after the
                 # clear: no wake-up is lost, so an idle loop sleeps (1 s is only a safety net)
                 self._wake.wait(1.0)
                 self._wake.clear()
                 continue
-            if delay > 0:  # only bookkeeping to poll: wait without the lock, a submit ends the wait
-                self._wake.wait(delay)
-                self._wake.clear()
             try:
                 with self.lock:
                     outputs = self.engine.step()

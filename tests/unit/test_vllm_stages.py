@@ -1,15 +1,11 @@
 """The bookkeeping of vLLM's checkpoint prefixes (``engine/vllm/stages.py``):
-which request runs next, which hit a prompt reports, and aborts; and when a
-P/D prompt's tail stage runs (``TailQueue``)."""
+which request runs next, which hit a prompt reports, and aborts."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hybridpd.checkpoints import staged_checkpoints
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
-from hybridpd.engine.vllm import stages as stages_module
-from hybridpd.engine.vllm.stages import STAGE_SEPARATOR, TAIL_IDLE_S, TAIL_SUFFIX, Stages, TailQueue, TailStage
+from hybridpd.engine.vllm.stages import STAGE_SEPARATOR, Stages
 
 PROMPT = EngineRequest(RequestId("r"), tuple(range(100, 400)), SamplingParams(max_tokens=5, stop_token_ids=(7,)))
 PLAN = staged_checkpoints([40, 150], 300, 16, False)
@@ -57,40 +53,3 @@ def test_no_plan_and_abort() -> None:
     assert st.abort("r") == first.request_id  # the running prefix, to abort in vLLM
     assert not st.is_prefix(first.request_id) and not st.waiting
     assert st.abort("r") is None
-
-
-def _tail(rid: str, tokens: tuple[int, ...]) -> TailStage:
-    prefix = replace(PROMPT, request_id=RequestId(rid + TAIL_SUFFIX), prompt_token_ids=tokens, background=True)
-    return TailStage(len(tokens) - 1, prefix)
-
-
-def test_a_tail_stage_rides_the_next_foreground_request_unless_that_one_extends_it() -> None:
-    q = TailQueue()
-    a = _tail("a", tuple(range(0, 33)))  # the tail of a 33-token prompt a: 32
-    b = _tail("b", tuple(range(500, 533)))
-    q.add(a)
-    q.add(b)
-    # the next turn of a extends a's stage: its own prefill passes 32 in that step, a's stage is dropped;
-    # b's rides along (batched into the same step)
-    assert q.ride(tuple(range(0, 80))) == [b.request]
-    assert not q.queued and q.ran == 1 and q.dropped == 1
-    q.add(a)
-    assert q.drop("a") and not q.drop("a") and not q.queued  # the prompt was aborted: no one waits for it
-
-
-def test_a_tail_stage_runs_alone_only_once_the_engine_was_idle() -> None:
-    q = TailQueue()
-    a = _tail("a", tuple(range(0, 33)))
-    q.add(a)
-    assert q.idle(TAIL_IDLE_S / 2) == [] and len(q.queued) == 1
-    assert q.idle(TAIL_IDLE_S) == [a.request] and not q.queued and q.ran == 1
-    assert q.idle(10.0) == []
-
-
-def test_the_tail_queue_keeps_the_newest() -> None:
-    q = TailQueue()
-    for i in range(stages_module.TAIL_QUEUE_LIMIT + 2):
-        q.add(_tail("p%d" % i, (i, i + 1)))
-    assert len(q.queued) == stages_module.TAIL_QUEUE_LIMIT and q.dropped == 2
-    newest = "p%d%s" % (stages_module.TAIL_QUEUE_LIMIT + 1, TAIL_SUFFIX)
-    assert "p0" + TAIL_SUFFIX not in q.queued and newest in q.queued

@@ -71,26 +71,15 @@ def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, o
     q_out.put(out)
 
 
-def prefill_worker(  # type: ignore[no-untyped-def]
-    q_in,
-    q_out,
-    side_port: int,
-    overrides: dict[str, Any],
-    send_hold_s: float | None = None,
-    tail_idle_s: float | None = None,
-) -> None:
+def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any], send_hold_s: float | None = None) -> None:  # type: ignore[no-untyped-def]
     """Prefill requests ``(rid, tokens, max_tokens[, corrupt])``; with ``corrupt``
     one block of the handoff is negated before it is offered
     (:func:`corrupt_handoff_block`): the fault the comparison must catch.
-    ``send_hold_s``, ``tail_idle_s``: the engine's ``SEND_HOLD_S`` and ``TAIL_IDLE_S`` in this process."""
+    ``send_hold_s``: the engine's ``SEND_HOLD_S`` in this process."""
     if send_hold_s is not None:
         from hybridpd.engine.vllm import engine as vllm_engine
 
         vllm_engine.SEND_HOLD_S = send_hold_s
-    if tail_idle_s is not None:
-        from hybridpd.engine.vllm import stages as vllm_stages
-
-        vllm_stages.TAIL_IDLE_S = tail_idle_s
     eng = _engine("prefill", overrides, side_port)
     q_out.put("ready")
     while True:
@@ -100,13 +89,11 @@ def prefill_worker(  # type: ignore[no-untyped-def]
         if msg == "settle":  # step until the engine is idle: background work (a tail stage) done
             deadline = time.monotonic() + 300
             while eng.has_work() and time.monotonic() < deadline:
-                time.sleep(eng.poll_delay_s())
                 eng.step()
-            q_out.put(("settled", eng.has_work(), eng.background.tries + eng.tails.ran))
+            q_out.put(("settled", eng.has_work(), eng.background.tries))
             continue
-        if msg == "tries":  # background tries and tail stages run so far, and those still queued
-            queued = len(eng.background.queued) + len(eng.tails.queued)
-            q_out.put(("tries", eng.background.tries + eng.tails.ran, queued))
+        if msg == "tries":  # background tries run so far, and those still queued
+            q_out.put(("tries", eng.background.tries, len(eng.background.queued)))
             continue
         rid, toks, max_tokens, *rest = msg  # rest: [corrupt[, checkpoints]]
         request = req(rid, toks, max_tokens)
@@ -164,12 +151,7 @@ class PdPair:
     """A prefill and a decode engine, each in its own spawned process
     (:func:`prefill_worker`, :func:`decode_worker`), as a context manager."""
 
-    def __init__(
-        self,
-        overrides: dict[str, Any] | None = None,
-        send_hold_s: float | None = None,
-        tail_idle_s: float | None = None,
-    ) -> None:
+    def __init__(self, overrides: dict[str, Any] | None = None, send_hold_s: float | None = None) -> None:
         import multiprocessing as mp
 
         from hybridpd.procs import free_port
@@ -177,8 +159,7 @@ class PdPair:
         ctx = mp.get_context("spawn")
         self.qp_in, self.qp_out, self.qd_in, self.qd_out = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         self.pre = ctx.Process(
-            target=prefill_worker,
-            args=(self.qp_in, self.qp_out, free_port(), overrides or {}, send_hold_s, tail_idle_s),
+            target=prefill_worker, args=(self.qp_in, self.qp_out, free_port(), overrides or {}, send_hold_s)
         )
         self.dec = ctx.Process(target=decode_worker, args=(self.qd_in, self.qd_out, free_port(), overrides or {}))
 
@@ -210,7 +191,7 @@ class PdPair:
         return list(self.qd_out.get(timeout=300))
 
     def tries(self) -> tuple[int, int]:
-        """The prefill engine's background tries and tail stages run so far, and those queued."""
+        """The prefill engine's background tries run so far, and those queued."""
         self.qp_in.put("tries")
         tag, tries, queued = self.qp_out.get(timeout=300)
         assert tag == "tries"
@@ -218,7 +199,7 @@ class PdPair:
 
     def settle(self) -> int:
         """Let the prefill engine run its background work; returns the background
-        tries and tail stages it has run so far."""
+        tries it has run so far."""
         self.qp_in.put("settle")
         tag, busy, tries = self.qp_out.get(timeout=400)
         assert tag == "settled" and not busy, "the prefill engine did not go idle"

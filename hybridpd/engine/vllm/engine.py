@@ -64,7 +64,7 @@ from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, e
 from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import kept_cpu_affinity, nixl_without_progress_thread, one_gloo_device
-from hybridpd.engine.vllm.stages import TAIL_SUFFIX, Stages, TailQueue, TailStage
+from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
 from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import listen_ports
@@ -210,10 +210,6 @@ class VllmEngine:
         self._prefixes: dict[str, tuple[str, int]] = {}
         #: background requests (answer checkpoints), run only while no foreground one is live
         self.background = BackgroundQueue()
-        #: P/D prompts' tail stages: they ride the next foreground step, or run once idle
-        self.tails = TailQueue()
-        #: when this engine last had foreground work (``TailQueue.idle``)
-        self._foreground_at = time.monotonic()
         sched = getattr(self._core(), "scheduler", None)
         #: whether this engine's hits drop a unit for an EAGLE-family drafter (vLLM's scheduler says)
         self.drop_eagle_block = bool(getattr(sched, "use_eagle_block_drop", False))
@@ -326,10 +322,8 @@ class VllmEngine:
             self.stages.abort(request.request_id)
             raise
         self.live[request.request_id] = _Live(request, prefill_only)
-        self._foreground_at = time.monotonic()
-        self._submit_tails(self.tails.ride(request.prompt_token_ids))  # into this request's step
-        if tail is not None and tail.position > hit:
-            self.tails.add(tail)
+        if tail is not None and tail.position > hit and len(self.background.queued) < TAIL_QUEUE_LIMIT:
+            self.background.add(tail.request, 0)  # runs once no foreground request is live
         preempted = self.background.preempt()
         if preempted is not None:  # never let a background prefill hold a chunk foreground work needs
             self.engine.abort_request([preempted])
@@ -339,22 +333,8 @@ class VllmEngine:
         if self.feed is not None and self.cfg.enable_prefix_caching:
             self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
 
-    def _submit_tails(self, stages: list[EngineRequest]) -> None:
-        for stage in stages:
-            try:
-                self._submit(stage, 1, None)
-            except Exception:  # only a cache entry is lost: nobody waits for a tail stage
-                logger.exception("vLLM refused the tail stage %s: dropped", stage.request_id)
-
     def _admit_background(self) -> None:
-        now = time.monotonic()
-        if any(not v.request.background for v in self.live.values()):
-            self._foreground_at = now
-            foreground = True
-        else:
-            foreground = (bool(self.background.queued) or bool(self.tails.queued)) and self._sending()
-        if not foreground and self.tails.queued:
-            self._submit_tails(self.tails.idle(now - self._foreground_at))
+        foreground = any(not v.request.background for v in self.live.values()) or self._sending()
         nxt = self.background.admit(foreground)
         if nxt is None:
             return
@@ -368,7 +348,7 @@ class VllmEngine:
     def _sending(self) -> bool:
         """Whether a handed-off prefill's KV still waits for decode's read (vLLM keeps
         its blocks until NIXL reports it sent), for at most ``SEND_HOLD_S``."""
-        if time.monotonic() - self._handed_at >= SEND_HOLD_S:
+        if not self.background.queued or time.monotonic() - self._handed_at >= SEND_HOLD_S:
             return False
         core = self._core()
         return core is not None and core.scheduler.has_finished_requests()
@@ -487,7 +467,9 @@ class VllmEngine:
     def abort(self, request_id: RequestId | str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
-        self.tails.drop(request_id)  # its tail stage, if still queued: no one waits for it
+        tail = self.background.drop(request_id + TAIL_SUFFIX)  # its tail stage: no one waits for it
+        if tail is not None:
+            self.engine.abort_request([tail])
         if self.background.queued or self.background.running is not None:
             running = self.background.drop(request_id)
             if running is not None:
@@ -501,7 +483,7 @@ class VllmEngine:
         """Unfinished requests, or finished ones whose KV a connector still holds
         (prefill keeps blocks until decode's NIXL read is acknowledged: only
         stepping the engine core processes that acknowledgement and frees them)."""
-        if self.pending or self.background.queued or self.tails.queued or self.engine.has_unfinished_requests():
+        if self.pending or self.background.queued or self.engine.has_unfinished_requests():
             return True
         core = self._core()
         return core is not None and core.scheduler.has_requests()
@@ -517,6 +499,9 @@ class VllmEngine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self.pending = self.pending, []
+        if not self.live and not outputs:
+            # only connector bookkeeping left: poll it, do not spin
+            time.sleep(SEND_POLL_S if time.monotonic() - self._handed_at < SEND_HOLD_S else IDLE_POLL_S)
         self._admit_background()
         for out in self.engine.step():
             if self.stages.is_prefix(out.request_id):  # a checkpoint prefix: never reported
@@ -582,21 +567,12 @@ class VllmEngine:
             self.stages.prefixes_released += 1
             self._resume(rid, int(stats.num_cached_tokens))
 
-    def poll_delay_s(self) -> float:
-        """Nothing live to compute (only connector bookkeeping, or queued work that
-        waits for idleness): poll every ``SEND_POLL_S`` while a handoff's KV may wait
-        for decode's read, else every ``IDLE_POLL_S``; never spin."""
-        if self.live or self.pending:
-            return 0.0
-        return SEND_POLL_S if time.monotonic() - self._handed_at < SEND_HOLD_S else IDLE_POLL_S
-
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
         """Run ``requests`` to completion (tests, benchmarks)."""
         for r in requests:
             self.add_request(r)
         out: dict[str, list[int]] = {r.request_id: [] for r in requests}
         while self.has_work():
-            time.sleep(self.poll_delay_s())
             for o in self.step():
                 out[o.request_id].extend(o.new_token_ids)
         return out

@@ -39,77 +39,18 @@ from hybridpd.engine.base import EngineRequest, RequestId
 STAGE_SEPARATOR = "::stage@"
 #: the background prefix that leaves a P/D prompt's own tail: the prompt's id plus this
 TAIL_SUFFIX = "::tail"
-#: at most this many tail stages wait (the oldest is dropped: a later prompt's own
-#: tail supersedes an old one's anyway)
+#: tail stages wait behind at most this many background requests (under steady load
+#: they would never run: a later prompt's own tail supersedes an old one's anyway)
 TAIL_QUEUE_LIMIT = 64
-#: a tail stage that found no foreground step to ride runs alone once the engine has
-#: had no foreground work for this long
-TAIL_IDLE_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
 class TailStage:
     """A P/D prompt's own tail (``checkpoints.truncated_tail_stage``), left by a
-    request of its own (``request``: the prefix, ``background=True``) after it."""
+    background request (``request``: the prefix, ``background=True``) after it."""
 
     position: int
     request: EngineRequest
-
-
-@dataclass(slots=True)
-class TailQueue:
-    """Tail stages not yet in vLLM. A stage is an engine step of ``u + 1`` tokens
-    for a saving of ``u`` tokens on the next turn, so it never takes a step of its
-    own while foreground work could want one (on a busy engine a step in flight
-    holds the next arrival; on shared cores it holds the other engines):
-
-    * it rides the engine's next foreground step (``ride``: submitted with the
-      next foreground request, batched into the same step at the marginal cost
-      of its tokens), unless that request extends it (the next turn of the same
-      conversation: its own prefill computes past the stage's position in the
-      same step, so the stage would save nothing; it is dropped);
-    * else it runs alone once the engine has had no foreground work for
-      ``TAIL_IDLE_S`` (``idle``)."""
-
-    queued: dict[str, TailStage] = field(default_factory=dict)
-    #: stages submitted (with a foreground step or alone), and dropped as superseded
-    ran: int = 0
-    dropped: int = 0
-
-    def add(self, stage: TailStage) -> None:
-        """Queue ``stage`` (the oldest goes past ``TAIL_QUEUE_LIMIT``)."""
-        self.queued[stage.request.request_id] = stage
-        while len(self.queued) > TAIL_QUEUE_LIMIT:
-            del self.queued[next(iter(self.queued))]
-            self.dropped += 1
-
-    def ride(self, prompt: tuple[int, ...]) -> list[EngineRequest]:
-        """The stages to submit with a foreground request of ``prompt``; those it
-        extends are dropped."""
-        out = []
-        for rid, stage in list(self.queued.items()):
-            del self.queued[rid]
-            tokens = stage.request.prompt_token_ids
-            if prompt[: len(tokens)] == tokens:
-                self.dropped += 1
-            else:
-                out.append(stage.request)
-        self.ran += len(out)
-        return out
-
-    def idle(self, quiet_s: float) -> list[EngineRequest]:
-        """Every stage, once the engine has had no foreground work for ``quiet_s``
-        seconds (at least ``TAIL_IDLE_S``), else none."""
-        if not self.queued or quiet_s < TAIL_IDLE_S:
-            return []
-        out = [s.request for s in self.queued.values()]
-        self.queued.clear()
-        self.ran += len(out)
-        return out
-
-    def drop(self, request_id: str) -> bool:
-        """Forget the stage of ``request_id``'s prompt (no one waits for it)."""
-        return self.queued.pop(request_id + TAIL_SUFFIX, None) is not None
 
 
 @dataclass(slots=True)
