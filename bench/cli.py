@@ -140,6 +140,7 @@ def bench_growing_streams(
             "stack-vllm",
             "stack-vllm-retain-dense",
             "stack-vllm-1p1d",
+            "stack-vllm-no-tail-stage",
             "vllm-direct",
             "vllm-pd",
         ]
@@ -147,6 +148,7 @@ def bench_growing_streams(
     help="Run only these variants and merge them into the same workload's results already in --json"
     " (stack-vllm, our stack on the vLLM engine, stack-vllm-retain-dense, the same with vLLM's retention"
     " interval at its scheduler block, stack-vllm-1p1d, the same with one prefill actor,"
+    " stack-vllm-no-tail-stage, the same without the P/D tail stage,"
     " vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
     " need the vLLM environment: make bootstrap-vllm).",
 )

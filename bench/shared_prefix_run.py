@@ -208,8 +208,11 @@ STACK_VLLM_ARGS = (
 #: stack-vllm with one prefill actor: engine for engine what vllm-pd runs (one prefill and
 #: one decode engine), to measure what the second prefill engine costs on these cores
 STACK_VLLM_1P1D = "stack-vllm-1p1d"
+#: stack-vllm without the P/D tail stage (``--no-vllm-tail-stage``): a prompt of k u + 1
+#: tokens leaves k u - u, as vllm-pd's does, and spends no engine step on k u
+STACK_VLLM_NO_TAIL = "stack-vllm-no-tail-stage"
 #: every variant that is our stack on the vLLM engine (run from the vLLM environment)
-STACK_VLLM_VARIANTS = (STACK_VLLM, STACK_VLLM_DENSE, STACK_VLLM_1P1D)
+STACK_VLLM_VARIANTS = (STACK_VLLM, STACK_VLLM_DENSE, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL)
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
@@ -235,6 +238,7 @@ def variants(w: Workload) -> dict[str, list[str]]:
     one = list(out[STACK_VLLM])
     one[one.index("--num-prefill") + 1] = "1"
     out[STACK_VLLM_1P1D] = one
+    out[STACK_VLLM_NO_TAIL] = [*out[STACK_VLLM], "--no-vllm-tail-stage"]
     if "checkpoint_placement" in HybridPDConfig.model_fields:  # #27: placement's own effect
         out[PLACEMENT_OFF] = [*common, "--checkpoint-policy", "branch-aware", "--checkpoint-placement", "off"]
         out["tail-only"] += ["--checkpoint-placement", "off"]
@@ -399,20 +403,24 @@ def plan_ttft_p50(variant: dict[str, Any]) -> float | None:
 
 
 def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
-    """#25's TTFT budget: ``stack-vllm`` (2 prefill + 1 decode) and, where it ran,
-    ``stack-vllm-1p1d`` (engine for engine vllm-pd's two) against ``vllm-pd``, the TTFT
-    p50 ratio per phase (medians of the repeats) and the phases where ours is not below;
-    and over the whole plan (``plan_ttft_p50``: the workload's TTFT p50)."""
+    """#25's budgets: ``stack-vllm`` (2 prefill + 1 decode) and, where they ran,
+    ``stack-vllm-1p1d`` (engine for engine vllm-pd's two) and ``stack-vllm-no-tail-stage``
+    against ``vllm-pd``: the TTFT p50 ratio per phase (medians of the repeats) and the
+    phases where ours is not below; over the whole plan (``plan_ttft_p50``: the
+    workload's TTFT p50); and the phases where ours caches no more (counted requests)."""
     if "vllm-pd" not in results:
         return {}
     pd = results["vllm-pd"]["phases"]
     pd_plan = plan_ttft_p50(results["vllm-pd"])
     out: dict[str, Any] = {}
-    for name in (STACK_VLLM, STACK_VLLM_1P1D):
+    for name in (STACK_VLLM, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL):
         if name not in results:
             continue
         key = name.replace("-", "_")
         ours = results[name]["phases"]
+        out[key + "_cached_not_above_vllm_pd"] = sorted(
+            p for p, x in ours.items() if p in pd and not x.get("cached_tokens", 0) > pd[p].get("cached_tokens", 0)
+        )
         ratios = {p: x["ttft_p50_ms"] / pd[p]["ttft_p50_ms"] for p, x in ours.items() if p in pd}
         out[key + "_ttft_p50_vs_vllm_pd"] = {p: round(r, 3) for p, r in ratios.items()}
         out[key + "_ttft_not_below_vllm_pd"] = sorted(p for p, r in ratios.items() if not r < 1.0)

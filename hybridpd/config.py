@@ -105,6 +105,14 @@ class HybridPDConfig(BaseModel):
         " step (~120 tokens of prefill for the tiny model on 2 CPU cores), and a later request that branches"
         " there saves at most that gap. 0: stage every one (as the native engine writes every one).",
     )
+    vllm_tail_stage: bool = Field(
+        True,
+        description="On a vLLM P/D prefill whose N - 1 truncation drops a unit (N = k u + 1), leave the"
+        " prompt's own tail k u after it: a background prefix, one engine step of u + 1 tokens, so the next"
+        " turn hits k u as on one engine. Off: the next turn hits one unit lower, as vLLM's own P/D does, and"
+        " the step is not spent (on 2 CPU cores it delays the next request that meets it; bench shared-prefix,"
+        " stack-vllm-no-tail-stage).",
+    )
     vllm_retention_interval: int = Field(
         0,
         ge=0,

@@ -225,6 +225,27 @@ def test_ttft_checks_against_vllm_pd() -> None:
     assert out["stack_vllm_ttft_not_below_vllm_pd"] == ["fanout_ids", "tree_ids"]
 
 
+def test_the_tail_stage_trade_against_vllm_pd() -> None:
+    """stack-vllm-no-tail-stage gets the same checks, and every stack the phases
+    where it caches no more than vllm-pd (a tie is not above): the tail stage's
+    trade, a unit of hit against an engine step, in one JSON."""
+    from bench.shared_prefix_run import checks
+
+    def variant(ttft: dict[str, float], cached: dict[str, int]) -> dict:
+        phases = {p: {"hit_ratio": 1.0, "ttft_p50_ms": t, "cached_tokens": cached[p]} for p, t in ttft.items()}
+        return {"phases": phases, "prompt_tokens_match": True, "provenance": []}
+
+    pd = variant({"multiturn_ids": 90.0, "tree_ids": 60.0}, {"multiturn_ids": 784, "tree_ids": 100})
+    ours = variant({"multiturn_ids": 95.0, "tree_ids": 50.0}, {"multiturn_ids": 800, "tree_ids": 200})
+    no_tail = variant({"multiturn_ids": 80.0, "tree_ids": 50.0}, {"multiturn_ids": 784, "tree_ids": 200})
+    out = checks({"stack-vllm": ours, "stack-vllm-no-tail-stage": no_tail, "vllm-pd": pd})
+    assert out["stack_vllm_cached_not_above_vllm_pd"] == [] and out["stack_vllm_ttft_not_below_vllm_pd"] == [
+        "multiturn_ids"
+    ]
+    assert out["stack_vllm_no_tail_stage_cached_not_above_vllm_pd"] == ["multiturn_ids"]
+    assert out["stack_vllm_no_tail_stage_ttft_below_vllm_pd"]
+
+
 def test_plan_ttft_p50_against_vllm_pd() -> None:
     """Issue #25 on the whole workload: the TTFT p50 over every request of the plan
     (median over repeats), ours against vllm-pd's; a tie is not below."""

@@ -82,26 +82,29 @@ def test_no_prefix_below_what_is_cached() -> None:
     assert got["D"]["cached"] == (len(a) - 1) // UNIT * UNIT  # 2288
 
 
-def test_pd_prefill_keeps_the_prompt_tail_one_engine_would() -> None:
+@pytest.mark.parametrize("stage", [True, False], ids=["tail-stage", "no-tail-stage"])
+def test_pd_prefill_keeps_the_prompt_tail_one_engine_would(stage: bool) -> None:
     """A P/D prefill computes N - 1 tokens; for N = 1,601 (100 units and one token)
     its own tail is 1,584, a unit below one engine's 1,600. After the prompt the
     engine runs the prompt's tail as a background prefix (``_tail_stage``: one
     background try, 17 tokens past 1,584), so the next turn, which extends the
-    whole prompt, hits 1,600 (the ideal); A reports no hit of its own work."""
+    whole prompt, hits 1,600 (the ideal); A reports no hit of its own work. With
+    ``vllm_tail_stage`` off no try runs and the next turn hits 1,584, as vLLM's
+    own P/D does."""
     a = tokens(1601, 6)
     e = a + tokens(300, 7)
     assert truncated_tail_stage(len(a), len(a) - 1, UNIT, False) == (1600, 1601)
     got: dict[str, list[int]] = {}
     cached: dict[str, int] = {}
-    with PdPair() as pd:
+    with PdPair({"vllm_tail_stage": stage}) as pd:
         _, ticket, _, got["A"] = pd.run("A", a, 6)
         cached["A"] = ticket.num_cached_tokens
-        assert pd.settle() == 1  # the tail stage ran, after A's prefill
+        assert pd.settle() == int(stage)  # the tail stage ran, after A's prefill
         _, ticket, _, got["E"] = pd.run("E", e, 6)
         cached["E"] = ticket.num_cached_tokens
-        assert pd.settle() == 1  # E = 1,901 tokens: its N - 1 keeps its tail (1,888), no stage
+        assert pd.settle() == int(stage)  # E = 1,901 tokens: its N - 1 keeps its tail (1,888), no stage
     print(cached)
-    assert cached == {"A": 0, "E": 1600}
+    assert cached == {"A": 0, "E": 1600 if stage else 1584}
     assert_match_reference([("A", a), ("E", e)], 6, got)
 
 

@@ -405,9 +405,10 @@ class VllmEngine:
         truncation drops it a unit (``checkpoints.truncated_tail_stage``): after the
         prompt it hits the truncated tail and computes ``u + 1`` tokens (an answer
         prefill's terms: only while no foreground request is live, aborted for one
-        that arrives). None off a P/D prefill, or where vLLM hits whole blocks only."""
+        that arrives). None off a P/D prefill, where vLLM hits whole blocks only, or
+        with ``vllm_tail_stage`` off."""
         n, computed = len(request.prompt_token_ids), self.computed_prompt_tokens(request, prefill_only)
-        if computed == n or not self.cfg.enable_prefix_caching or not self.partial_hits:
+        if computed == n or not self.cfg.enable_prefix_caching or not self.partial_hits or not self.cfg.vllm_tail_stage:
             return None
         found = truncated_tail_stage(n, computed, self.unit, self.drop_eagle_block)
         if found is None:
