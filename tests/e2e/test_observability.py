@@ -93,11 +93,16 @@ def test_prometheus_scrapes_the_stack(stack: Stack, tmp_path: Path) -> None:
             "sum by (instance) (ray_hybridpd_free_kv_blocks)",  # instances dashboard
         ]
 
+        def result(query: str) -> list:
+            # until its storage is ready Prometheus answers 503 "Service Unavailable"
+            # (plain text): raise_for_status turns that into a retried HTTPError
+            return httpx.get(api, params={"query": query}, timeout=5).raise_for_status().json()["data"]["result"]
+
         def answered() -> dict[str, list] | Pending:
-            results = {q: httpx.get(api, params={"query": q}, timeout=5).json()["data"]["result"] for q in queries}
+            results = {q: result(q) for q in queries}
             return results if all(results.values()) else Pending(results)
 
-        # Prometheus scrapes every second and starts in a moment
+        # Prometheus scrapes every second and starts in a moment (slower on a busy machine)
         wait_until(answered, 40, 2, "Prometheus to answer every dashboard query", retry_on=(httpx.HTTPError,))
         rules = httpx.get("http://127.0.0.1:%d/api/v1/rules" % port, timeout=5).json()["data"]["groups"]
         assert rules and len(rules[0]["rules"]) == len(yaml.safe_load(RULES_FILE.read_text())["groups"][0]["rules"])
