@@ -40,7 +40,8 @@ vLLM's side without side effects):
   store hits at N - 1) <= the tokens vLLM reported cached for it.
 
 The store connector's events are forwarded to the feed (``forward_store_events``):
-vLLM 0.32's MultiConnector drops them, which the last test here pins down.
+vLLM 0.32's MultiConnector drops them, which a test here pins down. Another
+checks that the engine's store puts land in its own store segment.
 Under-claims (the index below vLLM) are counted and printed, not failed.
 """
 
@@ -169,6 +170,11 @@ class Harness:
         self.unreachable = 0  # attention runs past vLLM's own attention lookup (held, not reachable)
         self.block = next(bs for kind, bs in self.groups.values() if kind == "full_attention")
         self.log: list[dict[str, Any]] = []
+
+    def placement(self) -> dict[str, Any]:
+        """The prefill engine's own store segment and where its store puts landed."""
+        self.qp_in.put(("placement",))
+        return dict(self.qp_out.get(timeout=600))
 
     def close(self) -> None:
         self.qp_in.put("exit")
@@ -386,3 +392,41 @@ def test_vllm_publishes_no_store_events_through_its_multiconnector(services) -> 
     assert all(r["index_store"] == 0 for r in h.log)
     assert any(r["vllm_store"] > 0 for r in h.log), "the store holds nothing: the check proves nothing"
     assert not h.index.r.keys(h.index.keys.prefix + "kv:*") and not h.index.r.keys(h.index.keys.prefix + "st:*")
+
+
+def test_store_puts_land_in_the_engines_own_segment(services) -> None:  # type: ignore[no-untyped-def]
+    """A second store client mounts a segment as large as the engine's (as a second
+    prefill engine would), so a put has two segments to land in. Every key the prefill
+    engine's store connector puts lies in the engine's own segment
+    (``patches.store_puts_to_own_segment``). Left to Mooncake, each put lands in either
+    segment (by hand: 2 of 3 puts of a client landed in the other's segment)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from hybridpd.engine.vllm.args import mooncake_config
+
+    redis_url, store = services
+    cfg = mooncake_config(*store)
+    other = MooncakeDistributedStore()
+    assert (
+        other.setup(
+            "127.0.0.1",
+            cfg["metadata_server"],
+            cfg["global_segment_size"],
+            cfg["local_buffer_size"],
+            "tcp",
+            "",
+            cfg["master_server_address"],
+        )
+        == 0
+    )
+    h = Harness(redis_url, store, KV_BLOCKS, True)
+    try:
+        for i, n in enumerate((700, 1100, 1500)):
+            h.run("p%d" % i, "fresh", tokens(n, 90 + i), None)
+        got = h.placement()
+        print(got, "other segment", other.get_hostname())
+    finally:
+        h.close()
+        other.close()
+    assert got["keys"] >= 3, got  # the prompts were put: the check below has something to say
+    assert got["own"] and got["endpoints"] == [got["own"]], got

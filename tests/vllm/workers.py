@@ -444,6 +444,46 @@ class TruthProbe:
         return out, cached
 
 
+def _store_worker() -> Any:
+    """vLLM's MooncakeStoreConnector worker side in this process (the engine's)."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+    top = get_kv_transfer_group()
+    return next(
+        c.connector_worker
+        for c in (top, *getattr(top, "sub_connectors", ()))
+        if hasattr(getattr(c, "connector_worker", None), "store_replicate_config")
+    )
+
+
+def spy_store_puts() -> list[str]:
+    """The keys vLLM's store put thread writes from now on, as a list it appends to."""
+    thread = _store_worker().kv_send_thread
+    real, keys = thread.store, []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def batch_put_from_multi_buffers(self, batch: list[str], *args: Any) -> Any:
+            keys.extend(batch)
+            return real.batch_put_from_multi_buffers(batch, *args)
+
+    thread.store = Spy()
+    return keys
+
+
+def replica_endpoints(keys: list[str]) -> list[str]:
+    """The store segments (transport endpoints) that hold in-memory replicas of ``keys``."""
+    store = _store_worker().store
+    found = set()
+    for key in keys:
+        for replica in store.get_replica_desc(key):
+            if replica.is_memory_replica():
+                found.add(str(replica.get_memory_descriptor().buffer_descriptor.transport_endpoint))
+    return sorted(found)
+
+
 def truth_prefill_worker(  # type: ignore[no-untyped-def]
     q_in,
     q_out,
@@ -465,7 +505,8 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
     steps until the engine is idle (decode pulled, store saves done, every block
     free), waits until every event batch vLLM published went through the feed,
     publishes the translated events and answers the feed's counters;
-    ``("probe", queries, hashes)`` -> ``TruthProbe.answer``."""
+    ``("probe", queries, hashes)`` -> ``TruthProbe.answer``; ``("placement",)`` -> the
+    engine's own store segment, the keys its store puts wrote and the segments holding them."""
     import time
 
     from hybridpd.index.prefix_index import PrefixIndex
@@ -476,6 +517,7 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
     feed = eng.feed
     assert feed is not None
     probe = TruthProbe(eng)
+    put_keys = spy_store_puts()
     index = PrefixIndex(redis_url, eng.model_id)
     index.clear_local(instance)
     # count vLLM's event batches and the feed's applied ones: "every batch arrived" is then observable
@@ -563,5 +605,7 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
             )
         elif msg[0] == "probe":
             q_out.put(probe.answer(msg[1], msg[2]))
+        elif msg[0] == "placement":
+            q_out.put({"own": eng.store_segment, "keys": len(put_keys), "endpoints": replica_endpoints(put_keys)})
     eng.close()
     q_out.put("bye")

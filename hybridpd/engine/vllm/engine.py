@@ -63,7 +63,12 @@ from hybridpd.engine.base import (
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
 from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
-from hybridpd.engine.vllm.patches import kept_cpu_affinity, nixl_without_progress_thread, one_gloo_device
+from hybridpd.engine.vllm.patches import (
+    kept_cpu_affinity,
+    nixl_without_progress_thread,
+    one_gloo_device,
+    store_puts_to_own_segment,
+)
 from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
 from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
@@ -187,6 +192,8 @@ class VllmEngine:
         #: narrowed ``enable_mamba_shared_prefix_checkpoint``; None: no in-process scheduler)
         self.shared_prefix_checkpoint: bool | None = None
         self._check_shared_prefix_option(bool(kw.get(SHARED_PREFIX_OPTION)))
+        #: the store segment this engine's store puts go to (``patches.store_puts_to_own_segment``)
+        self.store_segment = store_puts_to_own_segment() if store is not None and role == "prefill" else None
         self.model_id = "vllm:%s" % model_dir.name
         self.unit = cfg.prefix_match_unit
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)

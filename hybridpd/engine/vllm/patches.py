@@ -1,8 +1,9 @@
-"""Process-wide adjustments for vLLM's engine running inside our actors on a CPU.
+"""Process-wide adjustments for vLLM's engine running inside our actors.
 
-Two let it sit idle without spinning, one keeps it from pinning itself to one core.
-All are applied by ``VllmEngine`` while it builds its engine; they change vLLM's
-defaults, not its behaviour (see each docstring for why nothing is lost).
+Two let it sit idle without spinning on a CPU, one keeps it from pinning itself to
+one core, one keeps its store puts in its own store segment. All are applied by
+``VllmEngine`` while it builds its engine; they change vLLM's defaults, not its
+behaviour (see each docstring for why nothing is lost).
 """
 
 from __future__ import annotations
@@ -100,3 +101,44 @@ def kept_cpu_affinity() -> Iterator[None]:
                         put(tid, before)
                 except OSError:  # the thread ended meanwhile
                     continue
+
+
+def store_puts_to_own_segment() -> str | None:
+    """vLLM's MooncakeStoreConnector in this process writes its puts into this
+    process's own store segment. Returns that segment's name; None without a store
+    connector. A segment an operator chose (vLLM's ``preferred_segment``, e.g.
+    ``MOONCAKE_PREFERRED_SEGMENT``) is kept.
+
+    Left to Mooncake, a put lands in any mounted segment: on a machine with several
+    prefill engines, often another engine's, over the transfer engine (TCP here).
+    The putting process then copies the bytes out and the owner copies them in,
+    while both engines compute. A prefix is written once, by the engine that
+    computed it, and read only when a request misses that engine's local cache. So
+    the write stays local and the rare read crosses. The name is known only once
+    the store is set up (its port is chosen then), so it is set on the connector's
+    ``ReplicateConfig`` after vLLM builds the engine.
+
+    Measured by hand with the shared-prefix quick plan through ``stack-vllm``
+    (2 cores; two runs of each arm, alternating, not in a JSON): TTFT p50 87.6
+    and 77.4 ms with the own segment, against 98.5 and 87.2 ms without. Without
+    a store it was 75.1 and 64.6 ms, in another pair of runs."""
+    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
+
+    if not has_kv_transfer_group():
+        return None
+    top = get_kv_transfer_group()
+    for connector in (top, *getattr(top, "sub_connectors", ())):
+        worker: Any = getattr(connector, "connector_worker", None)
+        config = getattr(worker, "store_replicate_config", None)
+        if worker is None or config is None:
+            continue
+        if getattr(config, "preferred_segment", ""):
+            return str(config.preferred_segment)
+        name = str(worker.store.get_hostname())
+        config.preferred_segment = name  # the put thread's ReplicateConfig is this object
+        thread = getattr(worker, "kv_send_thread", None)
+        if thread is not None and getattr(thread, "replicate_config", config) is not config:
+            thread.replicate_config.preferred_segment = name
+        logger.info("vLLM's store puts go to this engine's own segment %s", name)
+        return name
+    return None
