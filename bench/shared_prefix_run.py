@@ -52,8 +52,11 @@ def native_chat_encoder() -> ChatEncoder:
     return lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs])
 
 
-def _send(client: httpx.Client, url: str, r: PlannedRequest, max_tokens: int) -> dict[str, Any]:
+def _send(
+    client: httpx.Client, url: str, r: PlannedRequest, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     body: dict[str, Any] = {
+        **(extra or {}),
         "model": "tiny",
         "max_tokens": max_tokens,
         "temperature": 0,
@@ -116,12 +119,57 @@ WARMUP = (
     PlannedRequest("warmup", "ids", tokens=tuple(range(2047, 2047 - 40, -1))),
     PlannedRequest("warmup", "chat", messages=(("user", "Return the warm-up value."),)),
 )
+#: then, to every prefill engine, token-id prompts of the plan's sizes (random ids: they
+#: share no unit with the plan or with another engine's), so that the first measured
+#: requests pay no first-use costs (first kernels at a size, first NIXL transfer from
+#: each prefill instance). By hand on stack-vllm after WARMUP alone: the first
+#: 180-token prompts to each of its two prefill instances took 103-152 ms, later ones
+#: 62-88 ms; an engine that gets more of the plan warms sooner, so without this a
+#: stack with more engines paid more first-use costs inside the measured phases
+WARMUP_LENGTHS = (96, 192, 320, 560)
+
+
+def warmup_requests(engine: int) -> list[PlannedRequest]:
+    """The sized warm-up prompts for the ``engine``-th prefill engine (its own ids)."""
+    import random
+
+    rng = random.Random(7919 + engine)
+    return [
+        PlannedRequest("warmup", "ids", tokens=tuple(rng.randrange(16, 2000) for _ in range(n))) for n in WARMUP_LENGTHS
+    ]
+
+
+def prefill_instances(args: Sequence[str]) -> tuple[str | None, ...]:
+    """The prefill instances a stack started with ``args`` runs (``--num-prefill``, else
+    the config's default), by the names a request pins (``hybridpd_prefill_instance``)."""
+    from hybridpd.config import HybridPDConfig
+
+    n = int(args[list(args).index("--num-prefill") + 1]) if "--num-prefill" in args else None
+    count = n if n is not None else int(HybridPDConfig.model_fields["num_prefill"].default)
+    return tuple("prefill-%d" % i for i in range(count))
+
+
+def warm_up(client: httpx.Client, url: str, w: Workload, instances: Sequence[str | None]) -> list[float]:
+    """Send ``WARMUP``, then ``warmup_requests`` to each of ``instances`` (pinned; None:
+    a server with one prefill engine, unpinned). Returns their TTFTs (ms), for the JSON:
+    first-use costs are reported, not hidden."""
+    got = [_send(client, url, warm, w.max_tokens)["ttft_ms"] for warm in WARMUP]
+    for i, instance in enumerate(instances):
+        pin = {"hybridpd_prefill_instance": instance} if instance is not None else {}
+        got += [_send(client, url, warm, w.max_tokens, pin)["ttft_ms"] for warm in warmup_requests(i)]
+    return [round(t, 2) for t in got]
 
 
 def run_plan(
-    url: str | Sequence[str], plan: Sequence[PlannedRequest], w: Workload, encode: ChatEncoder, native: bool
+    url: str | Sequence[str],
+    plan: Sequence[PlannedRequest],
+    w: Workload,
+    encode: ChatEncoder,
+    native: bool,
+    instances: Sequence[str | None] = (None,),
 ) -> dict[str, Any]:
-    """Send ``plan`` to ``url`` one request at a time (several routers of one stack:
+    """Warm up (``warm_up`` with ``instances``: a stack's prefill instances, None for a
+    server with one prefill engine), then send ``plan`` to ``url`` one request at a time (several routers of one stack:
     request i to router ``i % n``, so consecutive requests never share one); ``encode`` gives the chat
     prompts' token ids (checked against ``usage.prompt_tokens``). ``native`` (our
     stack): read the state-bytes counter from ``/v1/hybridpd/stats`` after each
@@ -142,8 +190,7 @@ def run_plan(
     records: list[dict[str, Any]] = []
     state_bytes: dict[str, int] = {}
     with httpx.Client() as client:
-        for warm in WARMUP:  # one-time costs out of the first TTFT; shares < 1 unit with the plan
-            _send(client, url, warm, w.max_tokens)
+        warmup = warm_up(client, url, w, instances)  # first-use costs out of the measured TTFTs
         counter, before = _settled_counter(url) if native else (None, 0)
         computed = prefill_computed(client, url)
         for i, r in enumerate(tqdm(plan, desc="requests", unit="req")):
@@ -179,6 +226,7 @@ def run_plan(
         "prefill_cache": held,
         "state_bytes_counter": counter,
         "prompt_tokens_match": all(x["prompt_tokens"] == x["reported_prompt_tokens"] for x in records),
+        "warmup_ttft_ms": warmup,
         "requests": records,
     }
 
@@ -257,9 +305,8 @@ def _run_stack_vllm(args: list[str], plan: Sequence[PlannedRequest], w: Workload
         raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
     tok = TextTokenizer(Path(tiny_model(venv)))
     with StackProcess(tmp, args, 900, venv / "bin" / "hybridpd") as st:
-        out = run_plan(
-            st.http, plan, w, lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs]), False
-        )
+        encode = lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs])  # noqa: E731
+        out = run_plan(st.http, plan, w, encode, False, prefill_instances(args))
     out["server"] = "hybridpd up " + " ".join(args)
     return out
 
@@ -321,10 +368,10 @@ def run(
                 from bench.routers import attached_routers
 
                 with StackProcess(Path(tmp), args) as st, attached_routers(st, ROUTERS, args, Path(tmp)) as urls:
-                    got = run_plan(urls, plan, w, native_chat_encoder(), native=True)
+                    got = run_plan(urls, plan, w, native_chat_encoder(), True, prefill_instances(args))
             else:
                 with StackProcess(Path(tmp), args) as st:
-                    got = run_plan(st.http, plan, w, native_chat_encoder(), native=True)
+                    got = run_plan(st.http, plan, w, native_chat_encoder(), True, prefill_instances(args))
         return {**got, "wall_s": time.monotonic() - t0}
 
     fns = {name: functools.partial(one, name, args) for name, args in variants(w).items() if not only or name in only}
