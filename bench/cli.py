@@ -141,6 +141,7 @@ def bench_growing_streams(
             "stack-vllm-retain-dense",
             "stack-vllm-1p1d",
             "stack-vllm-no-tail-stage",
+            "stack-vllm-no-store",
             "vllm-direct",
             "vllm-pd",
         ]
@@ -148,7 +149,8 @@ def bench_growing_streams(
     help="Run only these variants and merge them into the same workload's results already in --json"
     " (stack-vllm, our stack on the vLLM engine, stack-vllm-retain-dense, the same with vLLM's retention"
     " interval at its scheduler block, stack-vllm-1p1d, the same with one prefill actor,"
-    " stack-vllm-no-tail-stage, the same without the P/D tail stage,"
+    " stack-vllm-no-tail-stage, the same without the P/D tail stage, stack-vllm-no-store, the same"
+    " without vLLM's MooncakeStore connector,"
     " vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
     " need the vLLM environment: make bootstrap-vllm).",
 )

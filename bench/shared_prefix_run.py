@@ -259,8 +259,11 @@ STACK_VLLM_1P1D = "stack-vllm-1p1d"
 #: stack-vllm without the P/D tail stage (``--no-vllm-tail-stage``): a prompt of k u + 1
 #: tokens leaves k u - u, as vllm-pd's does, and spends no engine step on k u
 STACK_VLLM_NO_TAIL = "stack-vllm-no-tail-stage"
+#: stack-vllm without vLLM's MooncakeStoreConnector (``--no-vllm-store``): what the store's
+#: lookups and puts cost the plan's TTFT where they share the compute cores
+STACK_VLLM_NO_STORE = "stack-vllm-no-store"
 #: every variant that is our stack on the vLLM engine (run from the vLLM environment)
-STACK_VLLM_VARIANTS = (STACK_VLLM, STACK_VLLM_DENSE, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL)
+STACK_VLLM_VARIANTS = (STACK_VLLM, STACK_VLLM_DENSE, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL, STACK_VLLM_NO_STORE)
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
@@ -287,6 +290,7 @@ def variants(w: Workload) -> dict[str, list[str]]:
     one[one.index("--num-prefill") + 1] = "1"
     out[STACK_VLLM_1P1D] = one
     out[STACK_VLLM_NO_TAIL] = [*out[STACK_VLLM], "--no-vllm-tail-stage"]
+    out[STACK_VLLM_NO_STORE] = [*out[STACK_VLLM], "--no-vllm-store"]
     if "checkpoint_placement" in HybridPDConfig.model_fields:  # #27: placement's own effect
         out[PLACEMENT_OFF] = [*common, "--checkpoint-policy", "branch-aware", "--checkpoint-placement", "off"]
         out["tail-only"] += ["--checkpoint-placement", "off"]
@@ -451,8 +455,8 @@ def plan_ttft_p50(variant: dict[str, Any]) -> float | None:
 
 def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
     """#25's budgets: ``stack-vllm`` (2 prefill + 1 decode) and, where they ran,
-    ``stack-vllm-1p1d`` (engine for engine vllm-pd's two) and ``stack-vllm-no-tail-stage``
-    against ``vllm-pd``: the TTFT p50 ratio per phase (medians of the repeats) and the
+    ``stack-vllm-1p1d`` (engine for engine vllm-pd's two), ``stack-vllm-no-tail-stage``
+    and ``stack-vllm-no-store`` against ``vllm-pd``: the TTFT p50 ratio per phase (medians of the repeats) and the
     phases where ours is not below; over the whole plan (``plan_ttft_p50``: the
     workload's TTFT p50); and the phases where ours caches no more (counted requests)."""
     if "vllm-pd" not in results:
@@ -460,7 +464,7 @@ def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
     pd = results["vllm-pd"]["phases"]
     pd_plan = plan_ttft_p50(results["vllm-pd"])
     out: dict[str, Any] = {}
-    for name in (STACK_VLLM, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL):
+    for name in (STACK_VLLM, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL, STACK_VLLM_NO_STORE):
         if name not in results:
             continue
         key = name.replace("-", "_")

@@ -113,6 +113,14 @@ class HybridPDConfig(BaseModel):
         " the step is not spent (on 2 CPU cores it delays the next request that meets it; bench shared-prefix,"
         " stack-vllm-no-tail-stage).",
     )
+    vllm_store: bool = Field(
+        True,
+        description="On vLLM, prefill engines also save every prompt's KV and boundary states to MooncakeStore"
+        " and load what it holds (vLLM's MooncakeStoreConnector beside NixlConnector), so a prefix one engine"
+        " computed or evicted can be loaded instead of recomputed. Off: each engine keeps only its own prefix"
+        " cache, and its host spends no CPU on store lookups and puts (on 2 CPU cores they share the compute"
+        " cores: bench shared-prefix, stack-vllm-no-store).",
+    )
     vllm_retention_interval: int = Field(
         0,
         ge=0,

@@ -54,6 +54,12 @@ def _store_host(cfg: HybridPDConfig) -> str:
     return ray.util.get_node_ip_address()
 
 
+def engine_store(cfg: HybridPDConfig, store: tuple[str, str] | None) -> tuple[str, str] | None:
+    """The store (Mooncake master, metadata URL) the prefill engine itself is given: on
+    vLLM only with ``vllm_store`` on (its MooncakeStoreConnector then saves and loads)."""
+    return store if cfg.engine != "vllm" or cfg.vllm_store else None
+
+
 class PrefillWorker(WorkerBase):
     """The actor's body (plain class, so tests can also run it in-process).
 
@@ -92,7 +98,7 @@ class PrefillWorker(WorkerBase):
             instance=name,
             export_checkpoints=bool(mooncake_master),
             cache_events=bool(redis_url),
-            store=store_addr,
+            store=engine_store(cfg, store_addr),
         )
         self.index = PrefixIndex(redis_url, self.engine.model_id, cluster=cfg.redis_cluster) if redis_url else None
         self.store = (

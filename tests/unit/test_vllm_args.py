@@ -51,6 +51,19 @@ def test_roles_get_nixl_producer_consumer_and_store() -> None:
     assert mc["master_server_address"] == "10.0.0.1:50061" and mc["protocol"] == "tcp"
 
 
+def test_vllm_store_switch_keeps_the_store_from_vllm_prefill_engines_only() -> None:
+    """``--no-vllm-store``: a vLLM prefill engine gets no store (plain NixlConnector);
+    the native engine keeps its store whatever the switch says."""
+    from services.prefill.actor import engine_store
+
+    store = ("127.0.0.1:50051", "http://127.0.0.1:8080/metadata")
+    assert engine_store(_cfg(), store) == store  # on by default
+    assert engine_store(_cfg(vllm_store=False), store) is None
+    native = load_config(env={}, overrides={"engine": "native", "vllm_store": False})
+    assert engine_store(native, store) == store
+    assert engine_store(_cfg(), None) is None
+
+
 def test_eagle_on_decode_needs_a_draft(tmp_path: Path) -> None:
     cfg = _cfg(eagle=True, num_speculative_tokens=4)
     with pytest.raises(ConfigError, match="EAGLE draft"):

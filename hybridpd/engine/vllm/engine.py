@@ -318,7 +318,12 @@ class VllmEngine:
         self._register(request)
         stages = self._stages(request, prefill_only)
         tail = self._tail_stage(request, prefill_only)
-        hit = self.cached_hit(request) if stages or tail else 0
+        # the store lookup (a round trip to the store's master) only where staging needs it: a
+        # tail stage runs in the background, where vLLM's own lookup loads what the store holds
+        if stages:
+            hit = self.cached_hit(request)
+        else:
+            hit = self.local_hit(request.prompt_token_ids, request.cache_salt) if tail else 0
         first = self.stages.start(request, tuple((p, n) for p, n in stages if p > hit))
         try:
             if first is not None:
