@@ -217,4 +217,5 @@ def _next_chunk(q: queue.Queue, request_id: str, stall_s: float = 600.0) -> Toke
         raise outs[-1]
     last = outs[-1]
     tokens = tuple(t for o in outs for t in o.new_token_ids)
-    return TokenChunk(tokens, last.finished, None if last.finish_reason is None else str(last.finish_reason))
+    lps = tuple(lp for o in outs for lp in (o.logprobs or ())) if any(o.logprobs for o in outs) else None
+    return TokenChunk(tokens, last.finished, None if last.finish_reason is None else str(last.finish_reason), lps)

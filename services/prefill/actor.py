@@ -28,6 +28,7 @@ from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine, EngineRequest, FinishReason, HandoffStats
 from hybridpd.engine.factory import make_engine
+from hybridpd.engine.profile import EngineProfile, profile_of
 from hybridpd.errors import IntegrityError, UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
 from hybridpd.store.client import CheckpointStore
@@ -55,9 +56,10 @@ def _store_host(cfg: HybridPDConfig) -> str:
 
 
 def engine_store(cfg: HybridPDConfig, store: tuple[str, str] | None) -> tuple[str, str] | None:
-    """The store (Mooncake master, metadata URL) the prefill engine itself is given: on
-    vLLM only with ``vllm_store`` on (its MooncakeStoreConnector then saves and loads)."""
-    return store if cfg.engine != "vllm" or cfg.vllm_store else None
+    """The store (Mooncake master, metadata URL) the prefill engine itself is given: where
+    the engine's own connector loads store hits (it imports no checkpoints: vLLM's
+    MooncakeStoreConnector saves and loads), only with ``vllm_store`` on."""
+    return store if profile_of(cfg).imports_checkpoints or cfg.vllm_store else None
 
 
 class PrefillWorker(WorkerBase):
@@ -90,6 +92,8 @@ class PrefillWorker(WorkerBase):
         engine: Engine | None,
     ) -> None:
         self.cfg = cfg
+        #: the engine's policy; this actor's engine runs in the prefill role
+        self.profile: EngineProfile = profile_of(cfg)
         self.name = name
         store_addr = (mooncake_master, metadata_url) if mooncake_master and metadata_url else None
         self.engine = engine or make_engine(
@@ -209,6 +213,7 @@ class PrefillWorker(WorkerBase):
             ticket=ticket,
             tail_checkpoint=self.engine.tail_checkpoint(req, out.num_cached_tokens, True),
             extra_checkpoints=self.engine.extra_checkpoints(req, out.num_cached_tokens, True),
+            logprobs=out.logprobs,
         )
 
     def _maybe_load(self, cmd: PrefillCommand) -> int:
@@ -222,9 +227,10 @@ class PrefillWorker(WorkerBase):
             local = self.engine.local_hit(tokens, req.cache_salt)
         if cmd.store_hit <= local:
             return 0
-        # NOTE: where EAGLE replays (cfg.eagle_replay) the hit rule drops the last cached
-        # block, so load the replay block after the hit too (the lookup promised it).
-        kv_end = min(cmd.store_hit + (u if self.cfg.eagle_replay else 0), len(tokens) // u * u)
+        # NOTE: where EAGLE replays (a prefill engine with a drafter: eagle_drop_prefill) the hit
+        # rule drops the last cached block, so load the replay block after the hit too (the
+        # lookup promised it).
+        kv_end = min(cmd.store_hit + (u if self.profile.eagle_drop_prefill else 0), len(tokens) // u * u)
         hashes = self.engine.hasher.chain(tokens[:kv_end], cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
@@ -258,7 +264,7 @@ class PrefillWorker(WorkerBase):
     def _tag_answer(self, req: EngineRequest) -> None:
         """Count the bytes of ``req``'s tail checkpoint export as an answer's."""
         n = len(req.prompt_token_ids)
-        pos = checkpoint_position(n, self.engine.unit, self.cfg.eagle_replay)
+        pos = checkpoint_position(n, self.engine.unit, self.profile.eagle_drop_prefill)
         if pos > 0:
             self.publisher.tag_answer(
                 self.engine.hasher.chain(req.prompt_token_ids[:pos], cache_salt=req.cache_salt)[-1]

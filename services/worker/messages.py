@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridpd.engine.base import EngineRequest, HandoffTicket
+from hybridpd.engine.base import EngineRequest, HandoffTicket, TokenLogprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,8 @@ class PrefillResult:
     extra_checkpoints: tuple[int, ...] = ()
     #: the prefill's own time on its actor, seconds (its queue included): the router's TTFT stages
     prefill_seconds: float = 0.0
+    #: per token of ``token_ids``, when the request asked for logprobs
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def has_handoff(self) -> bool:
@@ -48,3 +50,5 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: str | None = None
+    #: per token of ``token_ids``, when the request asked for logprobs
+    logprobs: tuple[TokenLogprobs, ...] | None = None

@@ -11,7 +11,8 @@ was sent, and raises what the decode raised (a handoff failure before the
 first token, an engine error), so the router's retry and error mapping are
 those of the Ray path; a dead actor fails it as before.
 
-A frame is JSON: ``[request_id, [token ids], finished, finish_reason]``. JSON,
+A frame is JSON: ``[request_id, [token ids], finished, finish_reason, logprobs]``
+(``logprobs``: null, or per token ``[logprob, rank, [[id, logprob], ...]]``). JSON,
 not pickle: the sink is a listening socket. Frames of one request arrive in
 order (one PUSH socket per actor and router); a frame for a request the sink
 does not wait for (aborted, or from an earlier router) is dropped.
@@ -27,6 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
+from hybridpd.engine.base import TokenLogprobs
 from hybridpd.errors import UnavailableError
 from services.worker.messages import TokenChunk
 
@@ -47,15 +49,27 @@ def token_sink_host(cfg: HybridPDConfig) -> str:
 
 
 def encode(request_id: str, chunk: TokenChunk) -> bytes:
-    return json.dumps([request_id, list(chunk.token_ids), chunk.finished, chunk.finish_reason]).encode()
+    lps = None if chunk.logprobs is None else [[x.logprob, x.rank, x.top] for x in chunk.logprobs]
+    return json.dumps([request_id, list(chunk.token_ids), chunk.finished, chunk.finish_reason, lps]).encode()
 
 
 def decode(frame: bytes) -> tuple[str, TokenChunk]:
     """A frame's request id and chunk; ValueError for anything that is not a frame."""
-    rid, ids, finished, reason = json.loads(frame)
-    if not isinstance(rid, str) or not isinstance(ids, list) or not all(type(t) is int for t in ids):
-        raise ValueError("not a token frame")
-    return rid, TokenChunk(tuple(ids), bool(finished), None if reason is None else str(reason))
+    try:
+        rid, ids, finished, reason, lps = json.loads(frame)
+        if not isinstance(rid, str) or not isinstance(ids, list) or not all(type(t) is int for t in ids):
+            raise ValueError("not a token frame")
+        logprobs = None
+        if lps is not None:
+            logprobs = tuple(
+                TokenLogprobs(float(lp), int(rank), tuple((int(t), float(v)) for t, v in top))
+                for lp, rank, top in lps
+            )
+            if len(logprobs) != len(ids):
+                raise ValueError("logprobs do not match the frame's tokens")
+    except (TypeError, ValueError) as exc:  # also a wrong arity or element type
+        raise ValueError("not a token frame: %s" % exc) from None
+    return rid, TokenChunk(tuple(ids), bool(finished), None if reason is None else str(reason), logprobs)
 
 
 class TokenSender:

@@ -66,9 +66,10 @@ from hybridpd.engine.native.scheduler import Scheduler
 from hybridpd.engine.native.scheduler_config import SchedulerConfig
 from hybridpd.engine.native.sequence import SeqStatus, Sequence, stop_reason
 from hybridpd.engine.native.step import RowResult, ScheduledWork
+from hybridpd.engine.profile import native_profile
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
-from hybridpd.validation import validate_request
+from hybridpd.validation import check_features, validate_request
 
 __all__ = ["NativeEngine", "SpecStats"]
 
@@ -126,7 +127,7 @@ class NativeEngine:
         self.compute_model = self.cache.state_cache.compute
         self.kv_pool = self.cache.kv_pool
         self.state_pool = self.cache.state_pool
-        self.scheduler = Scheduler(SchedulerConfig.of(cfg), self.kv_pool, self.state_pool)
+        self.scheduler = Scheduler(SchedulerConfig.of(cfg, role), self.kv_pool, self.state_pool)
         self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device, self.unit)
         #: handoffs of finished prefill_only requests, until pop_handoff (another thread)
         self._handoffs: dict[str, Handoff] = {}
@@ -153,6 +154,7 @@ class NativeEngine:
     # -- requests ------------------------------------------------------------------------
     def _validate(self, request: EngineRequest) -> None:
         validate_request(request, self.mcfg.vocab_size, self.cfg.max_model_len)
+        check_features(request.sampling, native_profile(self.cfg))
         if request.request_id in self.seqs:
             raise InvalidRequestError("duplicate request id %s" % request.request_id)
 
@@ -242,18 +244,20 @@ class NativeEngine:
             if res.handoff is not None:
                 self._handoffs[seq.rid] = res.handoff
             self._finish(seq)
-            return RequestOutput(seq.request.request_id, res.tokens, True, reason, seq.num_prompt, seq.num_cached)
+            return self._output(seq, res, True, reason)
         if reason is not None:
             self._finish(seq)
         elif sw.decode:
             seq.num_computed += res.emitted  # the pending token and the accepted drafts
         else:
             seq.status = SeqStatus.DECODE
-        return self._output(seq, res.tokens, reason)
+        return self._output(seq, res, reason is not None, reason)
 
     @staticmethod
-    def _output(seq: Sequence, tokens: tuple[int, ...], reason: FinishReason | None) -> RequestOutput:
-        return RequestOutput(seq.request.request_id, tokens, reason is not None, reason, seq.num_prompt, seq.num_cached)
+    def _output(seq: Sequence, res: RowResult, finished: bool, reason: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            seq.request.request_id, res.tokens, finished, reason, seq.num_prompt, seq.num_cached, res.logprobs
+        )
 
     # -- the local prefix cache (prefix_cache.py) -------------------------------------------
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
@@ -384,7 +388,7 @@ class NativeEngine:
         if not self.cfg.enable_prefix_caching:
             return 0
         n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
-        pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.eagle_replay)
+        pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.drop_eagle_block)
         return pos or 0
 
     def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
@@ -397,7 +401,7 @@ class NativeEngine:
             return ()
         n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
         b, a = cfg.mamba_block_size, cfg.alignment
-        drop = cfg.eagle_replay
+        drop = cfg.drop_eagle_block
         return requested_checkpoints(request.checkpoints, num_cached, n, cfg.unit, b, a, drop, cfg.max_extra)
 
     def queued_prompt_tokens(self) -> int:

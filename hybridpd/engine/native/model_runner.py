@@ -34,7 +34,7 @@ import torch
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import KVExport, StateCheckpoint
-from hybridpd.engine.native import exports, sampler
+from hybridpd.engine.native import exports, logits, sampler
 from hybridpd.engine.native.attention import AttentionLayer
 from hybridpd.engine.native.delta import DeltaState
 from hybridpd.engine.native.eagle import DraftHead
@@ -172,8 +172,12 @@ class ModelRunner:
         last_logits = self.model.logits(work.hidden[-1:])
         self._log_logits(seq.rid, last_logits)
         t.last_hidden = work.hidden[-1].clone()
-        token = sampler.pick(last_logits[0], seq.request.sampling, t.gen)
-        out = RowResult((token,))
+        sp = seq.request.sampling
+        row = last_logits[0]
+        chosen = self._processed(seq, row[None], ())[0]
+        token = sampler.pick(chosen, sp, t.gen)
+        lps = (logits.logprobs_of(row, token, sp.logprobs),) if sp.logprobs is not None else None
+        out = RowResult((token,), lps)
         if t.pending_exports:
             # KV is exported now, not at the snapshot: the store needs every full
             # prompt block, including the replay block after the checkpoint that
@@ -204,22 +208,41 @@ class ModelRunner:
         drafts and a correction), trimmed at a stop; keeps the state after the last."""
         t = self.tensors[seq.rid]
         assert work.hidden is not None
-        logits = self.model.logits(work.hidden)
+        raw = self.model.logits(work.hidden)
         sp = seq.request.sampling
+        target = self._processed(seq, raw, drafts)
         if drafts:
-            emitted = sampler.verify(logits, drafts, draft_probs, sp, t.gen)
+            emitted = sampler.verify(target, drafts, draft_probs, sp, t.gen)
         else:
-            emitted = [sampler.pick(logits[0], sp, t.gen)]
+            emitted = [sampler.pick(target[0], sp, t.gen)]
         keep = len(emitted)
         for i, tok in enumerate(emitted):
             if stop_reason(sp, self.mcfg.eos_token_id, tok, seq.num_output + i + 1) is not None:
                 keep = i + 1
                 break
-        self._log_logits(seq.rid, logits[:keep])
+        self._log_logits(seq.rid, raw[:keep])
         accepted = len(emitted) - 1  # the target computed the pending token + this many drafts
         t.delta = work.token_states[accepted]
         t.last_hidden = work.hidden[accepted].clone()
-        return RowResult(tuple(emitted[:keep]), len(drafts), len(emitted))
+        lps = None
+        if sp.logprobs is not None:  # row i chose emitted token i
+            lps = tuple(logits.logprobs_of(raw[i], tok, sp.logprobs) for i, tok in enumerate(emitted[:keep]))
+        return RowResult(tuple(emitted[:keep]), lps, len(drafts), len(emitted))
+
+    def _processed(self, seq: Sequence, rows: torch.Tensor, drafts: list[int] | tuple[()]) -> torch.Tensor:
+        """``rows`` (the target's logits for the next token, then after each draft) through
+        the request's logits processors (``logits.process``): row ``i`` follows the output
+        so far plus ``drafts[:i]``, the history it has if those drafts are accepted (a row
+        is used only then). Unchanged when the request processes nothing."""
+        sp = seq.request.sampling
+        if not sp.processes_logits:
+            return rows
+        prompt = seq.token_ids[: seq.num_prompt]
+        output = seq.token_ids[seq.num_prompt :]
+        eos = self.mcfg.eos_token_id
+        return torch.stack(
+            [logits.process(rows[i], sp, prompt, [*output, *drafts[:i]], eos) for i in range(rows.shape[0])]
+        )
 
     def _propose(self, scheduled: list[ScheduledWork]) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """EAGLE drafts for every decoding request of the step, in one batch."""

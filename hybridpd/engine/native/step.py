@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hybridpd.engine.base import KVExport, StateCheckpoint
+from hybridpd.engine.base import KVExport, StateCheckpoint, TokenLogprobs
 from hybridpd.engine.native.handoff import Handoff
 from hybridpd.engine.native.sequence import Sequence
 
@@ -36,6 +36,8 @@ class RowResult:
     #: the new tokens: the first at the prompt's end, a decode row's emitted ones
     #: up to and including a stop; empty mid-prompt
     tokens: tuple[int, ...] = ()
+    #: per token of ``tokens``, when the request asked for logprobs
+    logprobs: tuple[TokenLogprobs, ...] | None = None
     #: EAGLE drafts this decode row verified (0: none)
     drafts: int = 0
     #: tokens the verification emitted before trimming at a stop (the state kept
