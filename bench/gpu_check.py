@@ -31,6 +31,7 @@ from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.profile import profile_of
 from hybridpd.models.bundled import resolve_model_dir
 
 
@@ -94,7 +95,7 @@ def run(device: str, dtype: str, streams: int, start: int, grow: int, gen: int) 
     warm_out = _round(served, device, _requests(warm, gen))
     cfg = served.cfg
     # the best any cache can do: the checkpoint the rule places in the cold prompt
-    ideal = checkpoint_position(start, cfg.prefix_match_unit, cfg.eagle_replay)
+    ideal = checkpoint_position(start, cfg.prefix_match_unit, profile_of(cfg).eagle_drop("local"))
     mismatched = [rid for rid in reference if {**cold_out, **warm_out}[rid]["tokens"] != reference[rid]]
     warm_cached = [warm_out[rid]["cached"] for rid in warm]
     result = {

@@ -276,7 +276,7 @@ def run(
         checks["partial_recompute_over_ideal_max"] = 1.1
         checks["partial_ok"] = results["partial"]["recompute_over_ideal"] <= 1.1
     if "partial_eagle" in results:
-        # the native EAGLE head replays no unit (HybridPDConfig.eagle_replay): its hits are partial's
+        # the native EAGLE head replays no unit (EngineProfile.eagle_drop): its hits are partial's
         checks["partial_eagle_recompute_over_ideal_max"] = 1.07
         checks["partial_eagle_ok"] = results["partial_eagle"]["recompute_over_ideal"] <= 1.07
         if "partial" in results:

@@ -411,8 +411,9 @@ def prefix_token_split(
     - ``no_shared_prefix``: the rest that a hit could have covered, up to the
       largest hit the hit rule allows (``(N - 1) // u * u``, one unit less where
       EAGLE replays);
-    - ``eagle_replay``: that unit (``drop_eagle_block``: the vLLM engine's EAGLE
-      drafters; never on the native engine, ``HybridPDConfig.eagle_replay``);
+    - ``eagle_replay``: that unit (``drop_eagle_block``: a vLLM engine with an
+      EAGLE-family drafter; the router passes ``EngineProfile.eagle_drop_prefill``,
+      false on both engines: a P/D prefill engine runs no drafter);
     - ``below_unit``: the tokens no hit can cover (the last partial unit, the
       token the prefill must compute, and the ``backoff`` tokens a prefill does
       not compute at all: vLLM's P/D prefill stops one token short, so its

@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hybridpd.engine.profile import profile_of
 from hybridpd.errors import ConfigError
 from hybridpd.hashing import HashAlgo, default_seed
 
@@ -282,7 +283,7 @@ class HybridPDConfig(BaseModel):
     def cpu_split(self) -> bool:
         """``cpu_binding`` resolved: whether actors bind their engines to their role's CPUs."""
         if self.cpu_binding == "auto":
-            return self.engine == "vllm" and self.device == "cpu" and self.actor_placement == "any"
+            return profile_of(self).auto_cpu_split and self.device == "cpu" and self.actor_placement == "any"
         return self.cpu_binding == "split"
 
     @model_validator(mode="before")
@@ -316,9 +317,12 @@ class HybridPDConfig(BaseModel):
             )
         if self.device == "cuda" and self.actor_placement == "worker_groups" and self.actor_num_gpus == 0:
             raise ConfigError("actor_num_gpus", "must be > 0 when device is cuda on Ray worker groups")
-        if self.engine == "native" and self.speculative_method != "eagle":
+        methods = profile_of(self).speculative_methods
+        if self.speculative_method not in methods:
             raise ConfigError(
-                "speculative_method", "the native engine implements eagle only, got %r" % self.speculative_method
+                "speculative_method",
+                "the %s engine implements %s only, got %r"
+                % (self.engine, ", ".join(sorted(methods)), self.speculative_method),
             )
         if self.http_port == self.grpc_port:
             raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
@@ -369,19 +373,10 @@ class HybridPDConfig(BaseModel):
             )
         return self
 
-    @property
-    def eagle_replay(self) -> bool:
-        """An EAGLE hit replays a unit (``drop_eagle_block``) on the vLLM engine only
-        (docs/DESIGN.md, "Where EAGLE replays")."""
-        return self.eagle and self.engine == "vllm"
-
     def engine_dtype(self) -> str:
-        """``dtype`` with 'auto' resolved for the engine (vLLM on CUDA keeps 'auto': the model's own)."""
-        if self.dtype != "auto":
-            return self.dtype
-        if self.engine == "native":
-            return "float32"
-        return "bfloat16" if self.device == "cpu" else "auto"
+        """``dtype`` with 'auto' resolved for the engine (its profile's ``default_dtype``;
+        vLLM on CUDA keeps 'auto': the model's own)."""
+        return self.dtype if self.dtype != "auto" else profile_of(self).default_dtype
 
     def metadata_url(self) -> str | None:
         """The Mooncake metadata URL for an external master (None: local stack)."""

@@ -6,8 +6,27 @@ config field: which request features it honours (everything else is refused
 with a 400 naming the field), its checkpoint geometry ``(u, B, a)``, how many
 trailing prompt tokens its P/D prefill leaves to decode, where an EAGLE hit
 drops a block, how extra checkpoints are written, and whether decode takes
-delta handoffs. ``profile_of(cfg)`` is the one lookup; adding an engine adds a
-profile here and a branch in ``engine/factory.py``, nothing in the router.
+delta handoffs; and for the configuration, the dtype ``dtype: auto`` means, the
+speculative methods it implements and whether ``cpu_binding: auto`` splits the
+CPUs. ``profile_of(cfg)`` is the one lookup; adding an engine adds a profile
+here and a branch in ``engine/factory.py``, nothing in the router.
+(``tests/unit/test_engine_profile.py`` fails on a comparison of the ``engine``
+field anywhere else in ``hybridpd/`` and ``services/``.)
+
+**Where an EAGLE hit drops a block.** vLLM's EAGLE-family drafters replay the
+last block of a hit (docs/DESIGN.md, "Where EAGLE replays"), but only on an
+engine that runs a drafter, and a vLLM P/D prefill engine runs none
+(``engine/vllm/args.py: speculative_config`` is None for the prefill role;
+``VllmEngine.drop_eagle_block`` reads vLLM's scheduler, so its tail, its staged
+prefixes and its hits are the plain ones). Every hit the router predicts (the
+index lookup, ``RecentPrefills``, the junction and placement positions, the
+``hybridpd_prefix_tokens`` split) and every hit a prefill worker loads is a
+prefill engine's own, so they read :attr:`EngineProfile.eagle_drop_prefill`.
+Decode's hit is not predicted anywhere: a vLLM decode engine pulls whatever its
+own cache lacks from the prefill engine (NixlConnector), so the rule need not
+agree across the handoff; :attr:`EngineProfile.eagle_drop_decode` is for an
+engine that prefills and decodes (``role`` local or decode:
+:meth:`EngineProfile.eagle_drop`).
 
 The README's table of what each engine supports is generated from
 :data:`FEATURE_DOCS` and the profiles (``python -m hybridpd.engine.profile``);
@@ -19,9 +38,10 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from hybridpd.config import HybridPDConfig
+if TYPE_CHECKING:  # NOTE: config.py reads the profiles (validation, dtype): it imports this module
+    from hybridpd.config import HybridPDConfig
 
 
 class Feature(enum.StrEnum):
@@ -36,6 +56,8 @@ class Feature(enum.StrEnum):
     MIN_TOKENS = "min_tokens"
     BAD_WORDS = "bad_words"
     LOGPROBS = "logprobs"
+    MIN_P = "min_p"
+    ALLOWED_TOKEN_IDS = "allowed_token_ids"
     #: response_format (json_object, json_schema) and vLLM's structured_outputs / guided_* fields
     STRUCTURED_OUTPUTS = "structured_outputs"
 
@@ -51,7 +73,10 @@ FEATURE_DOCS: dict[Feature, str] = {
     Feature.MIN_TOKENS: "`min_tokens`",
     Feature.BAD_WORDS: "`bad_words`",
     Feature.LOGPROBS: "`logprobs`, `top_logprobs`",
-    Feature.STRUCTURED_OUTPUTS: "`response_format` (`json_object`, `json_schema`), `structured_outputs`, `guided_json`/`regex`/`choice`/`grammar`",
+    Feature.MIN_P: "`min_p`",
+    Feature.ALLOWED_TOKEN_IDS: "`allowed_token_ids`",
+    Feature.STRUCTURED_OUTPUTS: "`response_format` (`json_object`, `json_schema`), `structured_outputs`,"
+    " `guided_json`/`regex`/`choice`/`grammar`",
 }
 
 #: features the router itself provides on every engine (README table rows)
@@ -102,9 +127,22 @@ class EngineProfile:
     #: it reports its store puts as cache events whose evictions it never reports, so a
     #: broken store promise must be repaired by the router
     store_entries_unreported_evictions: bool
+    #: the compute dtype ``dtype: auto`` means ("auto": the model's own)
+    default_dtype: str
+    #: the ``speculative_method`` values it implements
+    speculative_methods: frozenset[str]
+    #: ``cpu_binding: auto`` splits the CPUs between prefill and decode engines on device
+    #: cpu where both roles share a machine (``actor_placement: any``), as ``vllm serve``
+    #: binds its CPU engines
+    auto_cpu_split: bool
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
+
+    def eagle_drop(self, role: str) -> bool:
+        """Whether an EAGLE hit drops a block on this engine in ``role`` ("prefill",
+        "decode" or "local"; a local engine runs the drafter as decode does)."""
+        return self.eagle_drop_prefill if role == "prefill" else self.eagle_drop_decode
 
     @property
     def staged(self) -> bool:
@@ -125,6 +163,9 @@ def native_profile(cfg: HybridPDConfig) -> EngineProfile:
         delta_handoffs=True,
         imports_checkpoints=True,
         store_entries_unreported_evictions=False,
+        default_dtype="float32",
+        speculative_methods=frozenset({"eagle"}),
+        auto_cpu_split=False,
     )
 
 
@@ -138,13 +179,17 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
         name="vllm",
         features=frozenset(Feature),
         geometry=CheckpointGeometry(u, u, u),
-        prefill_backoff=1,
-        eagle_drop_prefill=False,  # a P/D prefill engine runs no drafter
+        prefill_backoff=1,  # VllmEngine.prefill_backoff (tests/vllm/test_index_truth.py checks it)
+        eagle_drop_prefill=False,  # a P/D prefill engine runs no drafter (module docstring)
         eagle_drop_decode=cfg.eagle,
         extra_checkpoints="staged",
         delta_handoffs=False,
         imports_checkpoints=False,
         store_entries_unreported_evictions=True,
+        # NOTE: vLLM's CPU gated-delta-net kernels are bf16-only (args.check_dtype)
+        default_dtype="bfloat16" if cfg.device == "cpu" else "auto",
+        speculative_methods=frozenset({"eagle", "eagle3", "mtp"}),
+        auto_cpu_split=True,
     )
 
 
@@ -159,7 +204,9 @@ def profile_of(cfg: HybridPDConfig) -> EngineProfile:
 
 def support_table(cfg: HybridPDConfig | None = None) -> str:
     """The README's Markdown table: each feature, and whether each engine honours it."""
-    cfg = cfg or HybridPDConfig()
+    from hybridpd.config import load_config  # NOTE: lazy: config.py imports this module
+
+    cfg = cfg or load_config(env={})
     profiles = [make(cfg) for make in PROFILES.values()]
     head = "| request field | " + " | ".join("`--engine %s`" % p.name for p in profiles) + " |"
     rows = [head, "|---|" + "---|" * len(profiles)]

@@ -36,6 +36,7 @@ from hybridpd.checkpoints import merge_requested, requested_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.base import EngineRequest
+from hybridpd.engine.profile import EngineProfile, profile_of
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
@@ -99,18 +100,12 @@ class Flight:
             actor.abort(self.request_id)
 
 
-def prefill_backoff(cfg: HybridPDConfig) -> int:
-    """Trailing prompt tokens our prefill instances do not compute: 1 on the vLLM
-    engine (vLLM 0.32's NixlConnector truncates a hybrid model's P/D prefill by one
-    token; a vLLM-tier test checks ``VllmEngine.prefill_backoff`` agrees), 0 native."""
-    return 1 if cfg.engine == "vllm" else 0
-
-
 class Dispatcher:
     """Routing state and actor calls of one router (event-loop confined).
 
     ``prefill`` and ``decode`` (name -> client) are the caller's collections,
-    shared, not copied."""
+    shared, not copied. What depends on the engine is read from its profile
+    (``engine/profile.py``); every hit the router predicts is a prefill engine's."""
 
     def __init__(
         self,
@@ -121,6 +116,7 @@ class Dispatcher:
         metrics: RouterMetrics,
     ) -> None:
         self.cfg = cfg
+        self.profile: EngineProfile = profile_of(cfg)
         self.index = index
         self.prefill_actors = prefill
         self.decode_actors = decode
@@ -129,9 +125,8 @@ class Dispatcher:
         #: per instance, the work (routing.dispatch_work) of our prefills in flight there
         self.queued: dict[str, float] = dict.fromkeys(prefill, 0.0)
         #: checkpoints our finished prefills left, until the index reports them (a hint)
-        self.recent = RecentPrefills(
-            cfg.prefix_match_unit, cfg.mamba_block_size, cfg.checkpoint_alignment, cfg.eagle_replay
-        )
+        geometry = self.profile.geometry
+        self.recent = RecentPrefills(geometry.unit, geometry.block, geometry.alignment, self.profile.eagle_drop_prefill)
         #: how far we routed each prefix before (the ``evicted`` outcome)
         self.seen_prefixes = SeenPrefixes()
         #: how far routed prompts shared a prefix with earlier ones: the placement's prior
@@ -139,7 +134,7 @@ class Dispatcher:
         #: prompt tokens a prefill does not compute: vLLM's P/D prefill stops one short (its
         #: NixlConnector truncates a hybrid model's prompt; ``VllmEngine.prefill_backoff``), so
         #: its hits and tail lie below ``N - 1`` and the lookup is capped as it is
-        self.prefill_backoff = prefill_backoff(cfg)
+        self.prefill_backoff = self.profile.prefill_backoff
         self._rr_decode = itertools.count()
         #: per decode instance, our decode streams running there (decode affinity's load)
         self.decoding: dict[str, int] = {}
@@ -174,8 +169,8 @@ class Dispatcher:
         (the engine rounds it down to a position it can write:
         ``checkpoints.requested_checkpoints``); and with the checkpoints
         ``checkpoint_placement`` places along it for a request that will
-        diverge from it first (:meth:`_placement`). On vLLM, where each is a
-        staged prefix (an engine step for this request), the junction and the
+        diverge from it first (:meth:`_placement`). Where each is a staged
+        prefix (vLLM: an engine step for this request), the junction and the
         chat message ``boundaries`` (``Built.boundaries``) are staged only
         ``vllm_stage_gap_tokens`` past the hit or the one kept before them
         (``placement.worth_a_step``): a turn that adds a few dozen tokens to a
@@ -187,7 +182,7 @@ class Dispatcher:
         extra = boundaries
         if cfg.checkpoint_policy == "branch-aware" and route.known > hit:
             extra = (*extra, route.known)
-        if cfg.engine == "vllm":
+        if self.profile.staged:
             extra = worth_a_step(extra, hit, cfg.vllm_stage_gap_tokens)
         if extra:
             merged = merge_requested(req.checkpoints, tuple(sorted(set(extra))), n)
@@ -196,22 +191,23 @@ class Dispatcher:
         return replace(req, placement=placed) if placed else req
 
     def _placement(self, req: EngineRequest, hit: int, known: int = 0) -> tuple[int, ...]:
-        """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's). The
-        native engine writes them mid-chunk under its slot rules; the vLLM engine
-        stages each as a prefix prefill (``engine/vllm/stages.py``: an engine step
-        and a token each), so there any unit multiple past the hit is a candidate
-        (unless ``vllm_placement`` is off); there a prompt is placed only where
-        one later sharer is expected (it shares ``known`` tokens itself, or most
-        prompts do: ``DivergenceHistory.followers``), and each checkpoint must
-        also be expected to save ``vllm_stage_tokens`` of prefill, its step."""
-        cfg = self.cfg
+        """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's), in
+        the engine's checkpoint geometry. The native engine writes them mid-chunk
+        (snapshots) under its slot rules; the vLLM engine stages each as a prefix
+        prefill (``engine/vllm/stages.py``: an engine step and a token each), so
+        there any unit multiple past the hit is a candidate (unless
+        ``vllm_placement`` is off); there a prompt is placed only where one later
+        sharer is expected (it shares ``known`` tokens itself, or most prompts do:
+        ``DivergenceHistory.followers``), and each checkpoint must also be
+        expected to save ``vllm_stage_tokens`` of prefill, its step."""
+        cfg, profile = self.cfg, self.profile
         if not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
             return ()
-        if cfg.engine == "vllm" and not cfg.vllm_placement:
+        if profile.staged and not cfg.vllm_placement:
             return ()
-        n, u = len(req.prompt_token_ids), cfg.prefix_match_unit
-        b, a = (cfg.mamba_block_size, cfg.checkpoint_alignment) if cfg.engine == "native" else (u, u)
-        requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, cfg.eagle_replay, cfg.max_extra_checkpoints)
+        n, drop = len(req.prompt_token_ids), profile.eagle_drop_prefill
+        u, b, a = profile.geometry.unit, profile.geometry.block, profile.geometry.alignment
+        requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, drop, cfg.max_extra_checkpoints)
         try:  # NOTE: on the event loop: O(1) candidates, a DP over at most 192 of them (ms)
             placed = place(
                 cfg.checkpoint_placement,
@@ -222,13 +218,13 @@ class Dispatcher:
                 u,
                 b,
                 a,
-                cfg.eagle_replay,
+                drop,
                 self.divergence,
                 interval=cfg.placement_interval,
                 min_gain=cfg.placement_min_gain,
-                step_tokens=cfg.vllm_stage_tokens if cfg.engine == "vllm" else 0,
+                step_tokens=cfg.vllm_stage_tokens if profile.staged else 0,
                 known=known,
-                staged=cfg.engine == "vllm",
+                staged=profile.staged,
             )
         except Exception:  # placement is an optimisation: never fail a request for it
             logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)
@@ -247,7 +243,7 @@ class Dispatcher:
         t0 = time.perf_counter()
         try:
             m = n - self.prefill_backoff if n > self.prefill_backoff else n  # the tokens the prefill computes
-            u, drop = self.cfg.prefix_match_unit, self.cfg.eagle_replay
+            u, drop = self.cfg.prefix_match_unit, self.profile.eagle_drop_prefill
             res = await asyncio.to_thread(self.index.lookup, hashes, m, u, drop)
             self.metrics.index_lookups.labels(res.source).inc()
             self.metrics.live_prefill.set(len(res.instance_hits))
@@ -263,11 +259,12 @@ class Dispatcher:
         """The prefill restored less than the lookup promised. Where our store entries
         mirror another writer's puts (vLLM's MooncakeStoreConnector: its evictions are
         never reported), a store promise that a load could not keep drops the state
-        entry it rested on, off the event loop; the next lookup finds the next one.
-        The native engine repairs its own store entries when a load fails
-        (``store/loader.py``); local entries follow the engines' events."""
+        entry it rested on, off the event loop; the next lookup finds the next one
+        (``EngineProfile.store_entries_unreported_evictions``). The native engine
+        repairs its own store entries when a load fails (``store/loader.py``); local
+        entries follow the engines' events."""
         d = route.decision
-        if self.cfg.engine != "vllm" or self.index is None or route.hashes is None:
+        if not self.profile.store_entries_unreported_evictions or self.index is None or route.hashes is None:
             return
         if d.store_hit <= max(d.local_hit, pr.num_cached_tokens) or pr.instance != d.instance:
             return

@@ -68,7 +68,8 @@ class RouterMetrics:
             "hybridpd_prefix_tokens",
             "Prompt tokens of looked-up requests by why they were (not) restored: hit, checkpoint_missing"
             " (attention cached further than any usable state checkpoint), evicted (routed before, gone now),"
-            " no_shared_prefix, eagle_replay (the unit an EAGLE hit replays: vLLM engine only),"
+            " no_shared_prefix, eagle_replay (the unit an EAGLE hit replays on a prefill engine with a drafter:"
+            " none of ours runs one),"
             " below_unit (no hit can cover them).",
             ["outcome"],
             registry=r,

@@ -176,7 +176,7 @@ class Orchestrator:
             split = prefix_token_split(
                 n,
                 cfg.prefix_match_unit,
-                cfg.eagle_replay,
+                self.dispatch.profile.eagle_drop_prefill,
                 pr.num_cached_tokens,
                 route.known,
                 await seen,

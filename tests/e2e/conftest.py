@@ -12,6 +12,7 @@ import pytest
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.native.engine import NativeEngine
+from hybridpd.engine.profile import profile_of
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import LookupResult, PrefixIndex
 from hybridpd.models.bundled import resolve_model_dir
@@ -54,7 +55,7 @@ class Stack(StackProcess):
 
     def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> LookupResult:
         """What the router's lookup of ``tokens`` finds in the prefix index now."""
-        replay = load_config(env={}, overrides={"eagle": "--eagle" in self.extra_args}).eagle_replay
+        replay = profile_of(load_config(env={}, overrides={"eagle": "--eagle" in self.extra_args})).eagle_drop_prefill
         chain = self._hasher.chain(list(tokens), cache_salt=cache_salt)
         return self.index.lookup(chain, len(tokens), self._hasher.unit, replay)
 
@@ -74,9 +75,9 @@ class Stack(StackProcess):
 
 #: the flags of the shared stack but its state block size
 STACK_ARGS = ["--eagle", "--max-inflight-requests", "4"]
-#: whether this stack's EAGLE hits replay a unit (``HybridPDConfig.eagle_replay``): False,
+#: whether this stack's EAGLE hits replay a unit (``EngineProfile.eagle_drop_prefill``): False,
 #: the native engine's draft head replays nothing, so its hits sit where plain hits do
-REPLAY = load_config(env={}, overrides={"eagle": True}).eagle_replay
+REPLAY = profile_of(load_config(env={}, overrides={"eagle": True})).eagle_drop_prefill
 
 
 @pytest.fixture(scope="session")

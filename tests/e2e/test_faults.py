@@ -18,6 +18,7 @@ import pytest
 from openai import OpenAI
 
 from hybridpd.config import load_config
+from hybridpd.engine.profile import profile_of
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
@@ -138,7 +139,8 @@ def test_store_objects_deleted_behind_the_index(fstack: Stack, reference) -> Non
     assert _prefill_stats(fstack, "prefill_store_load_failures")["prefill-1"] == failures + 1
     # the index was repaired: the dead entry no longer promises a store hit
     # (prefill-1 published its own checkpoint for ext, which ends later than base's)
-    hit = index.lookup(hasher.chain(base), len(base), cfg.prefix_match_unit, cfg.eagle_replay).store_hit
+    drop = profile_of(cfg).eagle_drop_prefill
+    hit = index.lookup(hasher.chain(base), len(base), cfg.prefix_match_unit, drop).store_hit
     assert hit == 0 or hit > len(base) - cfg.prefix_match_unit - 1, hit
 
 

@@ -4,6 +4,8 @@ missed (``hybridpd_prefix_tokens_total``)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -19,6 +21,7 @@ from hybridpd.checkpoints import (
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.hashing import BlockHasher
+from hybridpd.index.prefix_index import LookupResult
 from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.tokenizer import ChatMessage, TextTokenizer
 from hybridpd.validation import validate_checkpoints
@@ -219,3 +222,32 @@ def test_placement_on_a_stream_that_shares_nothing_stops_sooner_on_vllm() -> Non
     assert stepped[0] == 1 and sum(stepped) == 1
     assert placed(vllm, known=512, times=1) == [1]  # shares 512 tokens (its junction too): its family goes on
     assert vllm.divergence.followers() < 1.0 <= vllm.divergence.followers(shares=True)
+
+
+class _Index:
+    """The prefix index as the router's lookup calls it: records the EAGLE drop asked for."""
+
+    def __init__(self) -> None:
+        self.drops: list[bool] = []
+
+    def lookup(self, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
+        self.drops.append(eagle)
+        return LookupResult(0, {"p": 0}, 0)
+
+
+def test_on_vllm_with_eagle_the_router_predicts_the_prefill_engine_s_plain_hits() -> None:
+    """A vLLM P/D prefill engine runs no drafter (``args.speculative_config`` is None
+    for role prefill; ``VllmEngine.drop_eagle_block`` reads vLLM's scheduler), so its
+    hits, its tail and its staged prefixes are the plain ones: with ``eagle`` on (a
+    drafter on decode) the router looks up, remembers and places exactly as without
+    (``EngineProfile.eagle_drop_prefill``)."""
+    req = EngineRequest(RequestId("r"), tuple(range(3, 1028)), SamplingParams(), None, (100, 500))
+    got = []
+    for eagle in (False, True):
+        d = _dispatcher(engine="vllm", eagle=eagle)
+        d.index = _Index()  # type: ignore[assignment]
+        asyncio.run(d.route(req))
+        assert d.index.drops == [False] and not d.recent.eagle  # type: ignore[attr-defined]
+        preq = d.with_junction(req, _route(64, 64))
+        got.append((preq.checkpoints, preq.placement))
+    assert got[0] == got[1] and got[0][1]

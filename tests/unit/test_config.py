@@ -129,17 +129,12 @@ def test_dtype_auto_resolves_per_engine(overrides: dict[str, object], want: str)
     assert load_config(env={}).dtype == "auto"
 
 
-@pytest.mark.parametrize(
-    ("overrides", "want"),
-    [
-        ({"eagle": True}, False),  # the native draft head: no replay unit
-        ({"eagle": False}, False),
-        ({"eagle": True, "engine": "vllm"}, True),  # vLLM's drafters replay the last block of a hit
-        ({"eagle": False, "engine": "vllm"}, False),
-    ],
-)
-def test_eagle_replays_a_unit_only_on_the_vllm_engine(overrides: dict[str, object], want: bool) -> None:
-    assert load_config(env={}, overrides=overrides).eagle_replay is want
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_the_native_engine_implements_eagle_only(method: str) -> None:
+    """The speculative methods each engine implements are its profile's (``engine/profile.py``)."""
+    with pytest.raises(ConfigError, match="the native engine implements eagle only, got '%s'" % method):
+        load_config(env={}, overrides={"speculative_method": method})
+    assert load_config(env={}, overrides={"engine": "vllm", "speculative_method": method}).speculative_method == method
 
 
 @pytest.mark.parametrize(

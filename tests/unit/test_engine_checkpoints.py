@@ -40,7 +40,7 @@ def test_example_u8_b64_a16_n100() -> None:
     # the protocol's EAGLE position, 88, is 16-unaligned (nothing exported) where EAGLE
     # replays (test_checkpoints.py); the native draft head does not: 96 with EAGLE too
     eng = make_engine(prefix_match_unit=8, eagle=True, export_checkpoints=True)
-    assert not eng.cfg.eagle_replay and _exported(eng, toks) == [96]
+    assert not eng.scheduler.cfg.drop_eagle_block and _exported(eng, toks) == [96]
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=block_id)
@@ -105,7 +105,7 @@ def test_cross_check_long_prompts(eagle: bool) -> None:
         )
         toks = prompt(n + 2 * u, n)
         published = _exported(eng, toks[:n])
-        assert published == [checkpoint_position(n, u, eng.cfg.eagle_replay)]
+        assert published == [checkpoint_position(n, u, eng.scheduler.cfg.drop_eagle_block)]
         eng.add_request(req("ext", toks, 1))
         outs = []
         while eng.has_work():
@@ -230,7 +230,7 @@ def test_an_eagle_hit_is_taken_where_a_plain_one_is_and_stays_exact(where: str) 
     the background)."""
     u = 16
     eng = make_engine(eagle=True, record_logits=True, mamba_block_size=None)
-    assert not eng.cfg.eagle_replay
+    assert not eng.scheduler.cfg.drop_eagle_block
     base = prompt(300, 51)
     if where == "tail":
         _run(eng, "first", base)

@@ -143,7 +143,7 @@ class Scheduler:
         states = {
             (i + 1) * self.cfg.unit for i in range(lead) if self.state_pool.lookup(seq.block_hashes[i]) is not None
         }
-        return longest_usable_hit(seq.num_prompt, self.cfg.unit, lead, states, self.cfg.eagle_replay)
+        return longest_usable_hit(seq.num_prompt, self.cfg.unit, lead, states, self.cfg.drop_eagle_block)
 
     def _admit(self, seq: Sequence) -> bool:
         cfg = self.cfg
@@ -159,8 +159,8 @@ class Scheduler:
         seq.restore_slot = self.state_pool.cached[seq.block_hashes[hit // cfg.unit - 1]] if hit else None
         if cfg.enable_caching:
             n, b, a = seq.num_prompt, cfg.mamba_block_size, cfg.alignment
-            tail = planned_checkpoint(hit, n, n, cfg.unit, b, a, cfg.eagle_replay)
-            drop = cfg.eagle_replay
+            tail = planned_checkpoint(hit, n, n, cfg.unit, b, a, cfg.drop_eagle_block)
+            drop = cfg.drop_eagle_block
             extra = requested_checkpoints(seq.request.checkpoints, hit, n, cfg.unit, b, a, drop, cfg.max_extra)
             seq.tail_checkpoint = tail
             seq.checkpoints = extra + (() if tail is None else (tail,))

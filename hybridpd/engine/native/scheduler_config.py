@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridpd.config import HybridPDConfig
+from hybridpd.engine.profile import native_profile
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,11 +20,12 @@ class SchedulerConfig:
     enable_caching: bool
     #: extra checkpoints per prefill (the deepest of the requested are kept)
     max_extra: int = 4
-    #: an EAGLE hit replays one unit (``HybridPDConfig.eagle_replay``; the native head does not)
-    eagle_replay: bool = False
+    #: an EAGLE hit drops (replays) one unit (``EngineProfile.eagle_drop``; the native head does not)
+    drop_eagle_block: bool = False
 
     @classmethod
-    def of(cls, cfg: HybridPDConfig) -> SchedulerConfig:
+    def of(cls, cfg: HybridPDConfig, role: str = "local") -> SchedulerConfig:
+        """The settings of a native engine in ``role`` ("local", "prefill" or "decode")."""
         return cls(
             unit=cfg.prefix_match_unit,
             mamba_block_size=cfg.mamba_block_size,
@@ -34,5 +36,5 @@ class SchedulerConfig:
             max_num_seqs=cfg.max_num_seqs,
             enable_caching=cfg.enable_prefix_caching,
             max_extra=cfg.max_extra_checkpoints,
-            eagle_replay=cfg.eagle_replay,
+            drop_eagle_block=native_profile(cfg).eagle_drop(role),
         )
