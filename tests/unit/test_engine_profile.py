@@ -105,9 +105,6 @@ ENGINE_BRANCH = re.compile(
 )
 #: the files allowed to name an engine: the composition root and the profiles
 ALLOWED = {Path("hybridpd/engine/factory.py"), Path("hybridpd/engine/profile.py")}
-#: branches another change is moving to the profile now (issue #49): each must still be
-#: there, so the allowance is removed with it
-PENDING = {(Path("services/router/request_builder.py"), 'if cfg.engine == "vllm":')}
 
 
 def _engine_branches() -> list[tuple[Path, int, str]]:
@@ -150,10 +147,7 @@ def test_no_engine_branch_outside_the_profile_and_the_factory() -> None:
     workers read ``profile_of(cfg)``; only ``engine/factory.py`` (which engine to
     build) and ``launch/`` (how to start it) name the engine."""
     found = _engine_branches()
-    stale = [p for p in PENDING if not any((rel, text) == p for rel, _, text in found)]
-    assert not stale, "the branch is gone: remove its allowance from PENDING: %s" % stale
-    branches = [f for f in found if (f[0], f[2]) not in PENDING]
-    assert not branches, "read the engine's profile instead (hybridpd/engine/profile.py): %s" % branches
+    assert not found, "read the engine's profile instead (hybridpd/engine/profile.py): %s" % found
 
 
 # -- (d) the README's table --------------------------------------------------------------------
