@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from hybridpd.errors import InvalidRequestError
@@ -34,34 +36,60 @@ class TextTokenizer:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        env = jinja2.Environment(undefined=jinja2.StrictUndefined, autoescape=False)
+        # NOTE: a chat template is code shipped with the model: it renders sandboxed
+        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
         self.template = env.from_string(cfg["chat_template"]) if cfg.get("chat_template") else None
         self.stop_token_ids = tuple(
             i for i in (self.tok.token_to_id(t) for t in cfg.get("stop_tokens", [])) if i is not None
         )
         self.vocab_size = self.tok.get_vocab_size()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text as logprobs name it (vLLM: ``tokenizer.decode([id])``, special tokens kept)."""
+        return self.tok.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self._render(messages, add_generation_prompt))
+        return self.encode(self._render(messages, ChatOptions(add_generation_prompt)))
 
-    def _render(self, messages: Sequence[ChatMessage], add_generation_prompt: bool) -> str:
+    def _render(self, messages: Sequence[ChatMessage], opts: ChatOptions) -> str:
+        """The template's text for ``messages`` (Jinja sandboxed). ``continue_final_message``:
+        cut after the last message's content, as Hugging Face's ``apply_chat_template`` does,
+        so the model continues it; InvalidRequestError where the template drops that content."""
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        return self.template.render(
-            messages=[{"role": m.role, "content": m.content} for m in messages],
-            add_generation_prompt=add_generation_prompt,
-        )
+        reserved = {"messages", "add_generation_prompt"} & set(opts.template_kwargs)
+        if reserved:
+            raise InvalidRequestError("chat_template_kwargs may not set %s" % ", ".join(sorted(reserved)))
+        try:
+            text = self.template.render(
+                **opts.template_kwargs,
+                messages=[{"role": m.role, "content": m.content} for m in messages],
+                add_generation_prompt=opts.add_generation_prompt,
+            )
+        except jinja2.TemplateError as exc:  # a kwarg the template needs but did not get, a sandbox refusal
+            raise InvalidRequestError("chat template: %s" % exc) from None
+        if not opts.continue_final_message:
+            return text
+        final = messages[-1].content
+        if final.strip() not in text:
+            raise InvalidRequestError(
+                "continue_final_message: the chat template does not render the final message's content"
+            )
+        at = text.rindex(final.strip())
+        if text[at : at + len(final.lstrip())] == final:
+            return text[: at + len(final.lstrip())]
+        return text[: at + len(final.strip())]
 
     def chat_prompt(
         self,
         messages: Sequence[ChatMessage],
-        add_generation_prompt: bool = True,
+        add_generation_prompt: bool | ChatOptions = True,
         recall: Callable[[str], tuple[Sequence[int], int] | None] | None = None,
     ) -> ChatPrompt:
         """The chat prompt's ids, its rendered text and where its turns begin.
@@ -87,7 +115,12 @@ class TextTokenizer:
         engine computed, which re-tokenizing the answers' text need not
         reproduce (``answer_span`` then says where that answer's ids lie).
         """
-        text = self._render(messages, add_generation_prompt)
+        opts = (
+            add_generation_prompt
+            if isinstance(add_generation_prompt, ChatOptions)
+            else ChatOptions(add_generation_prompt)
+        )
+        text = self._render(messages, opts)
         starts: list[int] = []  # char offset where each message's content starts
         at = 0
         for m in messages:
@@ -109,7 +142,7 @@ class TextTokenizer:
                 head, cut = got[0], end
                 span = (got[1], len(head))
                 break
-        enc = self.tok.encode(text[cut:], add_special_tokens=False)
+        enc = self.tok.encode(text[cut:], add_special_tokens=opts.add_special_tokens and not cut)
         n_sys = 0
         while n_sys < len(messages) and messages[n_sys].role == "system":
             n_sys += 1
@@ -123,6 +156,18 @@ class TextTokenizer:
         ids = [*head, *enc.ids]
         out = {len(head) + bisect.bisect_right(ends, c - cut) for c in chars if c >= cut}
         return ChatPrompt(ids, text, tuple(sorted(p for p in out if 0 < p < len(ids))), span)
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    """How a chat renders (vLLM's request fields of the same names)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    #: extra variables for the template (e.g. ``enable_thinking``)
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    #: the tokenizer's special tokens (a BOS) around the rendered text
+    add_special_tokens: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +193,9 @@ class IncrementalDetokenizer:
     is the whole text so far; ``tests/unit/test_tokenizer.py`` checks it equals
     decoding every id at once."""
 
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
         self.ids: list[int] = []
         self.emitted = ""
         self._prefix = 0  # window start: the previous delta's first id
@@ -169,7 +215,7 @@ class IncrementalDetokenizer:
         if not self.unread:
             return len(self.ids)
         for k in range(len(self.ids), self._read - 1, -1):
-            if self.tokenizer.decode(self.ids[:k]) == self.emitted:
+            if self.tokenizer.decode(self.ids[:k], self.skip) == self.emitted:
                 return k
         return None
 
@@ -177,8 +223,8 @@ class IncrementalDetokenizer:
         """The text ``new_ids`` add; ``final`` (no ids follow): an incomplete
         character at the end is dropped, and the complete text before it sent."""
         self.ids.extend(new_ids)
-        before = self.tokenizer.decode(self.ids[self._prefix : self._read])
-        text = self.tokenizer.decode(self.ids[self._prefix :])
+        before = self.tokenizer.decode(self.ids[self._prefix : self._read], self.skip)
+        text = self.tokenizer.decode(self.ids[self._prefix :], self.skip)
         if text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before):
             if final and text.endswith("\ufffd"):
                 text = text.rstrip("\ufffd")
@@ -197,7 +243,7 @@ class IncrementalDetokenizer:
     def _resync(self) -> str:
         """The window's text does not extend its context's (a merge across the
         boundary): fall back to one full decode, exact by construction."""
-        text = self.tokenizer.decode(self.ids)
+        text = self.tokenizer.decode(self.ids, self.skip)
         if text.endswith("\ufffd"):
             return ""
         # NOTE: a decoder that rewrites earlier text when ids are added (none of ours)

@@ -103,6 +103,13 @@ def validate_processors(sp: SamplingParams, vocab_size: int) -> None:
             )
     if any(not 0 <= t < vocab_size for t in sp.stop_token_ids):
         raise InvalidRequestError("stop_token_ids must lie in [0, %d)" % vocab_size)
+    if not (math.isfinite(sp.min_p) and 0.0 <= sp.min_p <= 1.0):
+        raise InvalidRequestError("min_p must be a number in [0, 1], got %r" % sp.min_p)
+    if sp.allowed_token_ids is not None:
+        if not sp.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids must not be empty")
+        if min(sp.allowed_token_ids) < 0 or max(sp.allowed_token_ids) >= vocab_size:
+            raise InvalidRequestError("allowed_token_ids must lie in [0, %d)" % vocab_size)
     if sp.logprobs is not None and not 0 <= sp.logprobs <= MAX_LOGPROBS:
         raise InvalidRequestError("logprobs must lie in [0, %d], got %d" % (MAX_LOGPROBS, sp.logprobs))
 
@@ -126,6 +133,10 @@ def required_features(sp: SamplingParams) -> dict[Feature, str]:
         need[Feature.BAD_WORDS] = "bad_words"
     if sp.logprobs is not None:
         need[Feature.LOGPROBS] = "logprobs"
+    if sp.min_p:
+        need[Feature.MIN_P] = "min_p"
+    if sp.allowed_token_ids is not None:
+        need[Feature.ALLOWED_TOKEN_IDS] = "allowed_token_ids"
     if sp.structured is not None:
         need[Feature.STRUCTURED_OUTPUTS] = "response_format / structured_outputs"
     return need

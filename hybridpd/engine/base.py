@@ -79,12 +79,13 @@ class StructuredOutput:
 class SamplingParams:
     """How to pick tokens. ``temperature == 0`` is greedy (exact).
 
-    The logits pass through, in order (vLLM's order): ``logit_bias`` (token id ->
+    The logits pass through, in order (vLLM's order): ``allowed_token_ids`` (every
+    other token masked), ``bad_words``, ``logit_bias`` (token id ->
     added value), ``min_tokens`` (stop ids masked until that many tokens),
     ``bad_words`` (token id sequences: the last id is masked where the output
     ends with the others), then the repetition penalty (over prompt and output:
     positive logits divided, negative multiplied), frequency and presence
-    penalties (over the output), then temperature, top-k and top-p. ``logprobs``
+    penalties (over the output), then temperature, min-p, top-k and top-p. ``logprobs``
     (k) asks for each output token's log-probability and the k most likely,
     from the model's raw logits (vLLM's default ``raw_logprobs``)."""
 
@@ -106,6 +107,10 @@ class SamplingParams:
     #: None: no logprobs; k >= 0: the sampled token's and the k most likely
     logprobs: int | None = None
     structured: StructuredOutput | None = None
+    #: after temperature: tokens below ``min_p`` times the most likely one's probability are dropped
+    min_p: float = 0.0
+    #: None: every token; else only these may be generated (ascending)
+    allowed_token_ids: tuple[int, ...] | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -117,6 +122,7 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.bad_words
+            or self.allowed_token_ids is not None
         )
 
 

@@ -22,8 +22,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from hybridpd import __version__
 from hybridpd.auth import ApiKeys
-from hybridpd.engine.base import EngineRequest
+from hybridpd.engine.base import StructuredOutput
 from hybridpd.errors import (
     AuthError,
     HybridPDError,
@@ -34,17 +35,28 @@ from hybridpd.errors import (
     http_status,
     unwrap,
 )
-from hybridpd.tokenizer import ChatMessage
-from services.router.answers import AnswerPlan
-from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
+from hybridpd.tokenizer import ChatMessage, ChatOptions
+from services.router.choices import expand, serve
+from services.router.openai_format import Kind, LogprobOptions, ResponseWriter, usage_json
+from services.router.openai_models import (
+    MAX_CHOICES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ErrorResponse,
+    TokenizeRequest,
+    _Common,
+)
 from services.router.orchestrator import Orchestrator
-from services.router.output import Event
-from services.router.request_builder import ApiRequest, Sampling, build
+from services.router.output import Event, OutputOptions, Usage
+from services.router.request_builder import ApiRequest, Built, Sampling, build
 from services.worker.api import WorkerClient
 
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+#: paths that need an API key (when keys are configured)
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 #: fault -> the kind of instance it is injected into
 FAULT_KINDS = {"corrupt_next_handoff": "prefill", "delay_next_handoff_read": "decode"}
 
@@ -110,7 +122,7 @@ async def request_id_and_limits(request: Request, call_next: Callable[[Request],
         resp = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
     else:
         try:
-            if request.url.path.startswith("/v1/"):  # /health, /metrics, /docs stay open
+            if request.url.path.startswith(KEYED_PATHS):  # /health, /metrics, /docs, /version stay open
                 keys = _state(request).keys
                 request.state.tenant = keys.tenant(request.headers.get("authorization"))
             resp = await call_next(request)
@@ -145,73 +157,135 @@ async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
 # -- generation -------------------------------------------------------------------------
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, st: State) -> Response:
-    prompt = body.prompt
-    api = replace(
-        _api_request(body, request),
-        text=prompt if isinstance(prompt, str) else None,
-        token_ids=tuple(prompt) if isinstance(prompt, list) else None,
-        checkpoints=tuple(body.hybridpd_checkpoints or ()),
-    )
-    built = build(api, st.orch, st.served_model)
-    return await _generate(st, body, built.request, "completions", "text")
+    base = _api_request(body, request, st)
+    prompts = body.prompts()
+    _check_choices(len(prompts), body.choices)
+    if body.echo and base.sampling.logprobs is not None:
+        raise InvalidRequestError("echo: not supported together with logprobs (prompt logprobs are not computed)")
+    builts, echo = [], {}
+    for i, p in enumerate(prompts):
+        api = replace(
+            base,
+            text=p if isinstance(p, str) else None,
+            token_ids=tuple(p) if isinstance(p, list) else None,
+            checkpoints=tuple(body.hybridpd_checkpoints or ()),
+            add_special_tokens=body.add_special_tokens,
+        )
+        builts.append(build(api, st.orch, st.served_model))
+        if body.echo:
+            text = p if isinstance(p, str) else st.orch.tokenizer.decode(p, body.skip_special_tokens)
+            echo.update({i * body.choices + j: text for j in range(body.choices)})
+    return await _generate(st, body, builts, "completions", echo)
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
-    msgs = tuple(ChatMessage(m.role, m.content) for m in body.messages)
-    api = replace(_api_request(body, request), messages=msgs, answer_checkpoint=body.hybridpd_answer_checkpoint)
+    _check_choices(1, body.choices)
+    msgs = tuple(ChatMessage(m.role, m.text) for m in body.messages)
+    opts = ChatOptions(
+        body.add_generation_prompt,
+        body.continue_final_message,
+        body.chat_template_kwargs or {},
+        body.add_special_tokens,
+    )
+    api = replace(
+        _api_request(body, request, st), messages=msgs, answer_checkpoint=body.hybridpd_answer_checkpoint, chat=opts
+    )
     built = build(api, st.orch, st.served_model)
-    return await _generate(st, body, built.request, "chat", "chat", built.answer, built.boundaries)
+    echo = {}
+    if body.echo and msgs[-1].role == "assistant":  # vLLM: the last message, when it is the answer's role
+        echo = dict.fromkeys(range(body.choices), msgs[-1].content)
+    return await _generate(st, body, [built], "chat", echo)
 
 
-def _api_request(body: _Common, request: Request) -> ApiRequest:
+def _check_choices(prompts: int, n: int) -> None:
+    if prompts * n > MAX_CHOICES:
+        raise InvalidRequestError(
+            "n: at most %d choices per request (prompts x n), got %d" % (MAX_CHOICES, prompts * n)
+        )
+
+
+def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest:
     """The fields both endpoints share (``request_builder.build`` decides the rest)."""
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        max_tokens, logprobs = body.max_tokens, body.logprobs  # type: ignore[attr-defined]
     sampling = Sampling(
-        max_tokens=body.max_completion_tokens or body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),  # vLLM: -1 and 0 both mean every token
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        min_p=body.min_p or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+        min_tokens=body.min_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        bad_words=tuple(body.bad_words or ()),
+        allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
+        logprobs=logprobs,
+        structured=structured_output(body),
     )
-    rid, tenant = request.state.request_id, request.state.tenant
-    return ApiRequest(rid, body.model, sampling, cache_salt=body.cache_salt, tenant=tenant)
+    rid, tenant = body.request_id or request.state.request_id, request.state.tenant
+    return ApiRequest(
+        rid,
+        body.model or st.served_model,
+        sampling,
+        cache_salt=body.cache_salt,
+        tenant=tenant,
+        truncate_prompt_tokens=body.truncate_prompt_tokens,
+        truncation_side=body.truncation_side or "left",
+    )
+
+
+def structured_output(body: _Common) -> StructuredOutput | None:
+    """The grammar ``response_format`` or ``structured_outputs`` asks for (None: free text)."""
+    rf, so = body.response_format, body.structured_outputs
+    if rf is not None and rf.type != "text" and so is not None:
+        raise InvalidRequestError("response_format: set it or structured_outputs, not both")
+    if so is not None:
+        schema = so.json_ if isinstance(so.json_, str) or so.json_ is None else json.dumps(so.json_)
+        choice = tuple(so.choice) if so.choice is not None else None
+        return StructuredOutput(schema, bool(so.json_object), so.regex, choice, so.grammar, so.whitespace_pattern)
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return StructuredOutput(json_object=True)
+    if rf.json_schema is None or rf.json_schema.json_schema is None:
+        raise InvalidRequestError("response_format: json_schema needs its schema")
+    return StructuredOutput(json=json.dumps(rf.json_schema.json_schema))
 
 
 async def _generate(
-    st: RouterState,
-    body: _Common,
-    req: EngineRequest,
-    api: str,
-    kind: str,
-    answer: AnswerPlan | None = None,
-    boundaries: tuple[int, ...] = (),
+    st: RouterState, body: _Common, builts: list[Built], kind: Kind, echo: dict[int, str] | None = None
 ) -> Response:
-    """Run ``req``: an SSE stream, or one JSON body once it finished."""
+    """Run every choice of the request: an SSE stream, or one JSON body once all finished."""
     created = int(time.time())
-    oid = ("chatcmpl-" if kind == "chat" else "cmpl-") + req.request_id
-    events = st.orch.stream(req, api, body.hybridpd_prefill_instance, body.stop_list(), answer, boundaries)
+    first = builts[0].request
+    oid = ("chatcmpl-" if kind == "chat" else "cmpl-") + first.request_id
+    n = body.choices
+    lp = LogprobOptions(first.sampling.logprobs, bool(body.return_tokens_as_token_ids))
+    model = body.model or st.served_model
+    writer = ResponseWriter(kind, st.orch.tokenizer, oid, created, model, lp, bool(body.return_token_ids), echo)
+    client_stops = tuple(body.stop_token_ids or ())
+    opts = OutputOptions(
+        body.stop_list(), body.include_stop_str_in_output, body.min_tokens, body.skip_special_tokens, client_stops
+    )
+    events = serve(st.orch, expand(builts, n), kind, body.hybridpd_prefill_instance, opts)
     if body.stream:
-        first = await anext(events)  # errors before the first token become a proper HTTP status
-        return StreamingResponse(_sse(first, events, oid, created, body, kind), media_type="text/event-stream")
-    ids: list[int] = []
-    text = []
-    last: Event | None = None
-    async for ev in events:
-        ids.extend(ev.token_ids)
-        text.append(ev.text)
-        last = ev
-    assert last is not None and last.usage is not None
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-    if kind == "chat":
-        choice["message"] = {"role": "assistant", "content": "".join(text)}
-    else:
-        choice["text"] = "".join(text)
-    if body.return_token_ids:
-        choice["token_ids"] = ids
-    obj = "chat.completion" if kind == "chat" else "text_completion"
-    data = {"id": oid, "object": obj, "created": created, "model": body.model, "choices": [choice]}
-    return JSONResponse(data | {"usage": _usage(last)})
+        head = await anext(events)  # errors before the first token become a proper HTTP status
+        return StreamingResponse(_sse(head, events, writer, body, n), media_type="text/event-stream")
+    usages: dict[int, Usage] = {}
+    async for index, ev in events:
+        writer.add(index, ev)
+        if ev.usage is not None:
+            usages[index] = ev.usage
+    return JSONResponse(writer.body(usage_json(usages, n)))
 
 
 # -- the rest ---------------------------------------------------------------------------
@@ -225,6 +299,45 @@ async def models(st: State) -> dict:
         "max_model_len": st.orch.cfg.max_model_len,
     }
     return {"object": "list", "data": [card]}
+
+
+@router.post("/tokenize", responses=ERROR_RESPONSES)
+async def tokenize(body: TokenizeRequest, st: State) -> dict:
+    """vLLM's ``/tokenize``: a prompt, or chat messages through the template, to ids."""
+    tok = st.orch.tokenizer
+    if body.model and body.model != st.served_model:
+        raise NotFoundError("model %r is not served here (serving %r)" % (body.model, st.served_model))
+    if body.messages is not None:
+        msgs = [ChatMessage(m.role, m.text) for m in body.messages]
+        opts = ChatOptions(
+            body.add_generation_prompt,
+            body.continue_final_message,
+            body.chat_template_kwargs or {},
+            bool(body.add_special_tokens),
+        )
+        ids = tok.chat_prompt(msgs, opts).ids
+    elif body.prompt is not None:
+        ids = tok.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
+    else:
+        raise InvalidRequestError("tokenize needs a prompt or messages")
+    strs = [tok.token_text(i) for i in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": st.orch.cfg.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+@router.post("/detokenize", responses=ERROR_RESPONSES)
+async def detokenize(body: DetokenizeRequest, st: State) -> dict:
+    """vLLM's ``/detokenize``: ids to text."""
+    if body.model and body.model != st.served_model:
+        raise NotFoundError("model %r is not served here (serving %r)" % (body.model, st.served_model))
+    vocab = st.orch.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in body.tokens):
+        raise InvalidRequestError("tokens must lie in [0, %d)" % vocab)
+    return {"prompt": st.orch.tokenizer.decode(body.tokens)}
+
+
+@router.get("/version")
+async def version() -> dict:
+    return {"version": __version__}
 
 
 @router.get("/health")
@@ -259,54 +372,31 @@ async def actor_stats(st: State) -> dict:
     return await st.stats()
 
 
-def _usage(ev: Event) -> dict:
-    u = ev.usage
-    assert u is not None
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    } | (
-        {"hybridpd_prefix_tokens": dict(u.prefix_tokens), "hybridpd_promised_tokens": u.promised_tokens}
-        if u.prefix_tokens is not None and u.promised_tokens is not None
-        else {"hybridpd_prefix_tokens": dict(u.prefix_tokens)}
-        if u.prefix_tokens is not None
-        else {}
-    )
-
-
 async def _sse(
-    first: Event, rest: AsyncIterator[Event], oid: str, created: int, body: _Common, kind: str
+    head: tuple[int, Event], rest: AsyncIterator[tuple[int, Event]], writer: ResponseWriter, body: _Common, n: int
 ) -> AsyncIterator[bytes]:
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    usages: dict[int, Usage] = {}
 
-    def chunk(ev: Event, role: bool) -> bytes:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": ev.finish_reason, "logprobs": None}
-        if kind == "chat":
-            choice["delta"] = ({"role": "assistant"} if role else {}) | {"content": ev.text}
-        else:
-            choice["text"] = ev.text
-        if body.return_token_ids:
-            choice["token_ids"] = list(ev.token_ids)
-        data: dict[str, Any] = {"id": oid, "object": obj, "created": created, "model": body.model, "choices": [choice]}
-        return b"data: " + json.dumps(data).encode() + b"\n\n"
+    def data(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
-    last = first
-    yield chunk(first, True)
+    def chunk(index: int, ev: Event) -> bytes:
+        if ev.usage is not None:
+            usages[index] = ev.usage
+        return data(writer.chunk(index, ev))
+
+    yield chunk(*head)
     try:
-        async for ev in rest:
-            last = ev
-            yield chunk(ev, False)
+        async for index, ev in rest:
+            yield chunk(index, ev)
     except HybridPDError as exc:
         # NOTE: the status line is already sent: report the failure in-stream and
         # end WITHOUT [DONE], so no client mistakes a cut stream for a finished one.
         err = {"error": {"message": describe(exc), "type": type(unwrap(exc)).__name__, "code": int(http_status(exc))}}
-        yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        yield data(err)
         return
     finally:
         await rest.aclose()  # type: ignore[attr-defined]  # a disconnect lands here: the actors are aborted
-    if body.include_usage and last.usage is not None:
-        data = {"id": oid, "object": obj, "created": created, "model": body.model, "choices": [], "usage": _usage(last)}
-        yield b"data: " + json.dumps(data).encode() + b"\n\n"
+    if body.include_usage and usages:
+        yield data(writer.usage_chunk(usage_json(usages, n)))
     yield b"data: [DONE]\n\n"

@@ -1,64 +1,262 @@
-"""Request bodies of the OpenAI-compatible API (validated by pydantic).
+"""Request bodies of the OpenAI-compatible API (validated by pydantic): the request
+surface of vLLM's OpenAI server, field for field.
 
-Unknown fields are ignored, as OpenAI clients send many; fields we cannot
-honour with a value that matters (n > 1, logprobs, echo, best_of) are a 400.
-Extensions: ``cache_salt`` (tenant isolation), ``return_token_ids`` (token
-ids in each choice), ``ignore_eos``, ``hybridpd_prefill_instance`` (pin a
-request to one prefill instance, for tests and debugging); on completions
-``hybridpd_checkpoints`` (extra checkpoint positions, token counts; checked
-by ``validation.validate_request``); on chat ``hybridpd_answer_checkpoint``
+Every field a body may carry is in exactly one of three sets, and
+``tests/unit/test_request_fields.py`` fails if one is in none:
+
+* honoured (:data:`HONOURED`): it changes what is served, through the one request
+  builder (``request_builder.py``) and the output side; a field an engine cannot
+  honour is refused there by its profile (``engine/profile.py``), e.g. structured
+  outputs on the native engine;
+* passed (:data:`PASSED`): it changes no output (``user``, ``metadata``, ...);
+* refused (:data:`REFUSED`): a value other than its default is a 400 naming the field.
+
+A field that is in none (not vLLM's, not OpenAI's, not ours) is a 400 naming it:
+nothing is silently ignored. Extensions: ``cache_salt`` (tenant isolation),
+``return_token_ids``, ``hybridpd_prefill_instance`` (pin a request to one prefill
+instance), on completions ``hybridpd_checkpoints`` (extra checkpoint positions,
+checked by ``validation.validate_request``), on chat ``hybridpd_answer_checkpoint``
 (false: do not make this answer part of the cached prefix).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_STOP = 4
+#: the most choices one request may ask for (``n`` times the prompts of a batch)
+MAX_CHOICES = 16
+#: the most prompts of one completions batch
+MAX_BATCH = 16
+#: the most top logprobs (vLLM's default ``max_logprobs``)
+MAX_LOGPROBS = 20
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+def _set(v: Any) -> bool:
+    return v is not None and v is not False
 
-    model: str
+
+#: field -> whether a value is refused (a 400 naming the field)
+REFUSED: dict[str, Callable[[Any], bool]] = {
+    "suffix": _set,
+    "use_beam_search": _set,
+    "watermarking": _set,
+    "length_penalty": lambda v: v != 1.0,
+    "prompt_logprobs": _set,
+    "logprob_token_ids": _set,
+    "prompt_embeds": _set,
+    "priority": lambda v: v != 0,
+    "routed_experts_prompt_start": lambda v: v != 0,
+    "return_token_offsets": _set,
+    "return_mm_kwargs": _set,
+    "return_prompt_text": _set,
+    "kv_transfer_params": _set,
+    "ec_transfer_params": _set,
+    "vllm_xargs": _set,
+    "repetition_detection": _set,
+    "thinking_token_budget": _set,
+    "stream_interval": lambda v: v is not None and v != 1,
+    "reasoning_effort": _set,
+    "documents": _set,
+    "chat_template": _set,
+    "media_io_kwargs": _set,
+    "mm_processor_kwargs": _set,
+    "tools": lambda v: bool(v),
+    "tool_choice": lambda v: v not in (None, "none"),
+    "functions": lambda v: bool(v),
+    "function_call": lambda v: v not in (None, "none"),
+    "best_of": lambda v: v not in (None, 1),
+    "modalities": lambda v: v not in (None, ["text"]),
+    "audio": _set,
+    "prediction": _set,
+    "web_search_options": _set,
+}
+
+#: fields that change no output: accepted as sent
+PASSED: frozenset[str] = frozenset(
+    {
+        "user",
+        "metadata",
+        "store",
+        "service_tier",
+        "session_id",
+        "parallel_tool_calls",
+        "include_reasoning",
+        "spaces_between_special_tokens",
+        "mm_payload",
+        "verbosity",
+    }
+)
+
+#: fields that change what is served, each with the test that shows its effect
+HONOURED: dict[str, str] = {
+    "model": "tests/e2e/test_request_surface.py::test_another_model_is_404",
+    "prompt": "tests/e2e/test_serving.py",
+    "messages": "tests/e2e/test_serving.py",
+    "max_tokens": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "max_completion_tokens": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "temperature": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "top_p": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "top_k": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "min_p": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "seed": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "stop": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "stream": "tests/e2e/test_serving.py",
+    "stream_options": "tests/e2e/test_request_surface.py::test_usage_in_a_stream",
+    "n": "tests/e2e/test_request_surface.py::test_n_choices_share_the_prompt",
+    "logprobs": "tests/e2e/test_request_surface.py::test_logprobs_on_both_endpoints",
+    "top_logprobs": "tests/e2e/test_request_surface.py::test_logprobs_on_both_endpoints",
+    "echo": "tests/e2e/test_request_surface.py::test_echo",
+    "presence_penalty": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "frequency_penalty": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "repetition_penalty": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "logit_bias": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "min_tokens": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "stop_token_ids": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "bad_words": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "allowed_token_ids": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "ignore_eos": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "include_stop_str_in_output": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "skip_special_tokens": "tests/unit/test_request_builder.py::test_skip_special_tokens_keeps_them_in_the_text",
+    "truncate_prompt_tokens": "tests/e2e/test_request_surface.py::test_every_honoured_field_changes_the_output",
+    "truncation_side": "tests/unit/test_request_builder.py::test_truncation_keeps_the_side_asked_for",
+    "add_special_tokens": "tests/unit/test_request_builder.py::test_add_special_tokens_reaches_the_tokenizer",
+    "response_format": "tests/vllm/test_request_surface.py",
+    "structured_outputs": "tests/vllm/test_request_surface.py",
+    "request_id": "tests/e2e/test_request_surface.py::test_request_id_field_names_the_response",
+    "return_token_ids": "tests/e2e/test_serving.py",
+    "return_tokens_as_token_ids": "tests/e2e/test_request_surface.py::test_logprobs_on_both_endpoints",
+    "cache_salt": "tests/e2e/test_auth.py",
+    "add_generation_prompt": "tests/e2e/test_request_surface.py::test_chat_rendering_fields",
+    "continue_final_message": "tests/e2e/test_request_surface.py::test_chat_rendering_fields",
+    "chat_template_kwargs": "tests/unit/test_request_builder.py::test_chat_template_kwargs_reach_the_template",
+    "hybridpd_prefill_instance": "tests/e2e/test_serving.py",
+    "hybridpd_checkpoints": "tests/e2e/test_branch_aware.py",
+    "hybridpd_answer_checkpoint": "tests/e2e/test_answers.py",
+}
+
+
+def refused_fields(data: dict[str, Any], fields: frozenset[str] | set[str]) -> list[str]:
+    """The fields of a body ``data`` for a model of ``fields`` that are refused: set to a
+    refused value, or neither a field of that model nor a passed one (unknown, or the
+    other endpoint's)."""
+    return [
+        str(k)
+        for k, v in data.items()
+        if (k in REFUSED and REFUSED[k](v)) or (k not in fields and k not in PASSED and k not in REFUSED)
+    ]
+
+
+class _Strict(BaseModel):
+    """Collects every field sent (``extra="allow"``) so that none passes unnoticed."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            bad = refused_fields(data, set(cls.model_fields))
+            if bad:
+                raise ValueError("not supported: %s" % ", ".join(sorted(map(str, bad))))
+        return data
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None
+    continuous_usage_stats: Literal[False] | None = None
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one constraint."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = Field(None, max_length=65536)
+    choice: list[str] | None = Field(None, min_length=1, max_length=256)
+    grammar: str | None = Field(None, max_length=65536)
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        n = sum(
+            x is not None and x is not False
+            for x in (self.json_, self.regex, self.choice, self.grammar, self.json_object)
+        )
+        if n != 1:
+            raise ValueError("exactly one of json, regex, choice, grammar, json_object must be set")
+        return self
+
+
+class _Common(_Strict):
+    model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
     seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 64) - 1)
     stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = Field(1, ge=1)
-    logprobs: bool | int | None = None
-    cache_salt: str | None = Field(None, max_length=256)
-    return_token_ids: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    user: str | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    request_id: str | None = Field(None, max_length=128)
+    return_token_ids: bool | None = False
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = Field(None, max_length=256)
     hybridpd_prefill_instance: str | None = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        if v:
-            raise ValueError("logprobs are not supported")
-        return v
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
         if isinstance(v, list) and len(v) > MAX_STOP:
             raise ValueError("at most %d stop sequences" % MAX_STOP)
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k in v or {}:
+            if not k.lstrip("-").isdigit():
+                raise ValueError("keys must be token ids, got %r" % k)
         return v
 
     def stop_list(self) -> tuple[str, ...]:
@@ -68,43 +266,113 @@ class _Common(BaseModel):
 
     @property
     def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int]
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_special_tokens: bool = True
     hybridpd_checkpoints: list[int] | None = None
 
     @field_validator("prompt")
     @classmethod
-    def _prompt(cls, v: str | list[int]) -> str | list[int]:
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt token list must not be empty")
-        if isinstance(v, str) and not v:
-            raise ValueError("prompt must not be empty")
+    def _prompt(cls, v: str | list[str] | list[int] | list[list[int]]) -> str | list[str] | list[int] | list[list[int]]:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("prompt must not be empty")
+            return v
+        if not v:
+            raise ValueError("prompt list must not be empty")
+        if isinstance(v[0], int):
+            return v
+        if len(v) > MAX_BATCH:
+            raise ValueError("at most %d prompts per request" % MAX_BATCH)
+        if any(not p for p in v):
+            raise ValueError("no prompt of a batch may be empty")
         return v
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt per entry (a single prompt is a batch of one)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessageIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """One message: text content, or a list of text parts (joined with newlines, as
+    vLLM joins them for a template that takes strings). Images, audio and tool
+    calls are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: str | list[TextPart] | None = None
+    name: str | None = Field(None, max_length=256)
+
+    @property
+    def text(self) -> str:
+        c = self.content
+        if c is None:
+            return ""
+        return c if isinstance(c, str) else "\n".join(p.text for p in c)
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     #: make this answer part of the cached prefix (default: the answer_checkpoints config)
     hybridpd_answer_checkpoint: bool | None = None
+
+    @model_validator(mode="after")
+    def _chat_rules(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("Cannot set both continue_final_message and add_generation_prompt to True.")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``/tokenize`` body: ``prompt``, or ``messages`` with the chat fields."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = Field(None, max_length=8 << 20)
+    messages: list[ChatMessageIn] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=1 << 20)
 
 
 class ErrorDetail(BaseModel):

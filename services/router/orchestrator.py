@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, TokenLogprobs
 from hybridpd.errors import InvalidRequestError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
@@ -37,7 +37,7 @@ from services.router.admission import Admission, Deadline
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.dispatch import Dispatcher, Flight
 from services.router.metrics import RouterMetrics
-from services.router.output import Event, OutputProcessor
+from services.router.output import Event, OutputOptions, OutputProcessor
 from services.worker.api import DecodeClient, PrefillClient
 from services.worker.messages import PrefillResult, TokenChunk
 
@@ -102,7 +102,7 @@ class Orchestrator:
         req: EngineRequest,
         api: str,
         force_instance: str | None = None,
-        stop: tuple[str, ...] = (),
+        stop: tuple[str, ...] | OutputOptions = (),
         answer: AnswerPlan | None = None,
         boundaries: tuple[int, ...] = (),
     ) -> AsyncIterator[Event]:
@@ -123,7 +123,7 @@ class Orchestrator:
             out = run.output = OutputProcessor(self.tokenizer, stop, n, pr.num_cached_tokens, split, promised)
             done = pr.finish_reason is not None or not pr.has_handoff  # the request ended at prefill
             if pr.token_ids or pr.finish_reason is not None:
-                ev = self._event(run, out, pr.token_ids, done, pr.finish_reason or "length")
+                ev = self._event(run, out, pr.token_ids, done, pr.finish_reason or "length", pr.logprobs)
                 yield ev
                 if ev.finished:
                     return
@@ -207,15 +207,21 @@ class Orchestrator:
             self.metrics.ttft_stage.labels("decode").observe(now - run.last)
         self.metrics.itl.observe(now - run.last)
         run.last = now
-        return self._event(run, out, chunk.token_ids, chunk.finished, chunk.finish_reason)
+        return self._event(run, out, chunk.token_ids, chunk.finished, chunk.finish_reason, chunk.logprobs)
 
     def _event(
-        self, run: _Run, out: OutputProcessor, token_ids: tuple[int, ...], done: bool, reason: str | None
+        self,
+        run: _Run,
+        out: OutputProcessor,
+        token_ids: tuple[int, ...],
+        done: bool,
+        reason: str | None,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Event:
         """The Event for new tokens (``done``: the engine ended the request with ``reason``)."""
         if out.count == 0 and token_ids:  # the request's first token, from prefill or decode
             self.metrics.ttft.observe(run.deadline.elapsed())
-        ev = out.push(token_ids, done, reason)
+        ev = out.push(token_ids, done, reason, logprobs)
         if ev.finished:
             run.finished, run.engine_done, run.status = True, done, "ok"
             run.finish_reason = ev.finish_reason
@@ -249,6 +255,8 @@ class Orchestrator:
         token) or past the context."""
         if out.stopped_on_string or run.finish_reason not in ("stop", "length") or run.instance is None:
             return
+        if out.opts.include_stop_str_in_output or not out.opts.skip_special_tokens:
+            return  # the text the client got is not the answer's own text
         if run.status != "ok":  # e.g. the client went away at the last event
             return
         stops = self.tokenizer.stop_token_ids

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hybridpd.engine.base import TokenLogprobs
 from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 
 
@@ -41,6 +42,24 @@ class Event:
     finished: bool = False
     finish_reason: str | None = None
     usage: Usage | None = None
+    #: per token of ``token_ids``, when the request asked for logprobs
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    #: on the last event: the stop string, or the client's stop token id, that ended it (vLLM's)
+    stop_reason: str | int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    """How a request's tokens become its text (vLLM's fields of the same names)."""
+
+    stop: tuple[str, ...] = ()
+    #: the stop string, or the stop token's text, stays in the text
+    include_stop_str_in_output: bool = False
+    #: stop strings count only after this many tokens' text
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    #: the client's own stop token ids (the ``stop_reason`` they give)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class StopWindow:
@@ -59,11 +78,17 @@ class StopWindow:
         self.stop = tuple(s for s in stop if s)
         self.reach = max((len(s) for s in self.stop), default=1) - 1
 
-    def find(self, text: str, appended_at: int) -> int | None:
+    def find(self, text: str, appended_at: int, floor: int = 0) -> int | None:
         """Index in ``text`` where the earliest stop string starts, or None;
-        ``text[:appended_at]`` was searched by the previous calls."""
-        lo = max(appended_at - self.reach, 0)
-        hits = [i for i in (text.find(s, lo) for s in self.stop) if i >= 0]
+        ``text[:appended_at]`` was searched by the previous calls. ``floor``: no
+        stop string starting before it counts (min_tokens)."""
+        hit = self.match(text, appended_at, floor)
+        return hit[0] if hit is not None else None
+
+    def match(self, text: str, appended_at: int, floor: int = 0) -> tuple[int, str] | None:
+        """The earliest stop string in ``text`` and where it starts (:meth:`find`)."""
+        lo = max(appended_at - self.reach, floor, 0)
+        hits = [(i, s) for i, s in ((text.find(s, lo), s) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
     def held(self, text: str) -> int:
@@ -84,14 +109,18 @@ class OutputProcessor:
     def __init__(
         self,
         tokenizer: TextTokenizer,
-        stop: Sequence[str],
+        stop: Sequence[str] | OutputOptions,
         prompt_tokens: int,
         cached_tokens: int,
         prefix_tokens: Mapping[str, int] | None = None,
         promised_tokens: int | None = None,
     ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop = StopWindow(stop)
+        opts = stop if isinstance(stop, OutputOptions) else OutputOptions(tuple(stop))
+        self.opts = opts
+        self.detok = IncrementalDetokenizer(tokenizer, opts.skip_special_tokens)
+        self.stop = StopWindow(opts.stop)
+        #: where stop strings may start: the text of the first ``min_tokens`` tokens is exempt
+        self.floor = 0
         self.prompt_tokens = prompt_tokens
         self.cached_tokens = cached_tokens
         self.prefix_tokens = prefix_tokens
@@ -106,23 +135,46 @@ class OutputProcessor:
     def usage(self) -> Usage:
         return Usage(self.prompt_tokens, self.cached_tokens, self.count, self.prefix_tokens, self.promised_tokens)
 
-    def push(self, token_ids: tuple[int, ...], done: bool, finish_reason: str | None) -> Event:
+    def push(
+        self,
+        token_ids: tuple[int, ...],
+        done: bool,
+        finish_reason: str | None,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
+    ) -> Event:
         """The Event for ``token_ids``: finished with reason "stop" (its text cut
-        before the stop string) when they completed one; else finished with
-        ``finish_reason`` when ``done`` (the engine ended the request); else the
-        new text, less a tail that may be the start of a stop string (as OpenAI
-        and vLLM hold it back: a client never sees "STO" of "STOP")."""
+        before the stop string, or after it with ``include_stop_str_in_output``)
+        when they completed one; else finished with ``finish_reason`` when ``done``
+        (the engine ended the request; on "stop" the stop token's text is left
+        out unless ``include_stop_str_in_output``, as vLLM does); else the new
+        text, less a tail that may be the start of a stop string (as OpenAI and
+        vLLM hold it back: a client never sees "STO" of "STOP")."""
+        opts = self.opts
         before = len(self.detok.emitted)
-        self.detok.push(token_ids, final=done)
+        text_ids = token_ids
+        stop_token = done and finish_reason == "stop" and bool(token_ids)
+        if stop_token and not opts.include_stop_str_in_output:
+            text_ids = token_ids[:-1]
+        if self.count < opts.min_tokens < self.count + len(text_ids):  # the floor lies inside this chunk
+            k = opts.min_tokens - self.count
+            self.detok.push(text_ids[:k])
+            self.floor, text_ids = len(self.detok.emitted), text_ids[k:]
+        self.detok.push(text_ids, final=done)
         self.count += len(token_ids)
+        if self.count <= opts.min_tokens:
+            self.floor = len(self.detok.emitted)
         text = self.detok.emitted
-        at = self.stop.find(text, before)
-        if at is not None:
+        hit = self.stop.match(text, before, self.floor)
+        if hit is not None:
             self.stopped_on_string = True
-            return Event(token_ids, self._release(at), True, "stop", self.usage())
+            at, s = hit
+            end = at + len(s) if opts.include_stop_str_in_output else at
+            return Event(token_ids, self._release(end), True, "stop", self.usage(), logprobs, s)
         if done:
-            return Event(token_ids, self._release(len(text)), True, finish_reason, self.usage())
-        return Event(token_ids, self._release(len(text) - self.stop.held(text)))
+            reason = token_ids[-1] if stop_token and token_ids[-1] in opts.stop_token_ids else None
+            return Event(token_ids, self._release(len(text)), True, finish_reason, self.usage(), logprobs, reason)
+        held = 0 if opts.include_stop_str_in_output else self.stop.held(text)
+        return Event(token_ids, self._release(len(text) - held), logprobs=logprobs)
 
     def _release(self, upto: int) -> str:
         """The text from what was sent up to ``upto``, now sent."""

@@ -14,9 +14,15 @@ that decides what is served lives here, so HTTP and gRPC are the same product:
   vLLM, where each costs an engine step, handed to the dispatcher instead, which
   stages those far enough past the hit: ``Dispatcher.with_junction``), and
   the :class:`AnswerPlan` that makes this answer reusable at its end;
+* chat rendering: ``add_generation_prompt``, ``continue_final_message``,
+  ``chat_template_kwargs`` (``tokenizer.ChatOptions``); ``truncate_prompt_tokens``
+  keeps the prompt's last (``truncation_side: right``: first) tokens;
 * sampling: ``max_tokens`` defaults to 16 (completion) or 256 (chat), clamped
   to what the context leaves; the tokenizer's end-of-turn ids stop unless
-  ``ignore_eos``; the tenant's cache salt.
+  ``ignore_eos``, the client's ``stop_token_ids`` always; ``bad_words`` become
+  token id sequences as vLLM makes them; every feature the request needs is
+  checked against the engine's profile (``engine/profile.py``: a 400 naming the
+  field it cannot honour); the tenant's cache salt.
 
 Ranges (temperature, checkpoint positions, context length) are checked on
 admission (``hybridpd/validation.py``), as for every request.
@@ -24,15 +30,16 @@ admission (``hybridpd/validation.py``), as for every request.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 from hybridpd.auth import ApiKeys
 from hybridpd.checkpoints import merge_requested
-from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, StructuredOutput
+from hybridpd.engine.profile import profile_of
 from hybridpd.errors import InvalidRequestError, NotFoundError
-from hybridpd.tokenizer import ChatMessage
-from hybridpd.validation import validate_checkpoints
+from hybridpd.tokenizer import ChatMessage, ChatOptions, TextTokenizer
+from hybridpd.validation import check_features, validate_checkpoints
 from services.router.answers import AnswerPlan
 from services.router.orchestrator import Orchestrator
 
@@ -52,6 +59,20 @@ class Sampling:
     top_k: int = 0
     seed: int | None = None
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    #: (token id, bias) pairs
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    #: the client's own stop ids (the tokenizer's end-of-turn ids are added unless ``ignore_eos``)
+    stop_token_ids: tuple[int, ...] = ()
+    #: words never generated (tokenized here as vLLM does: ``bad_word_ids``)
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +93,13 @@ class ApiRequest:
     answer_checkpoint: bool | None = None
     #: the API key's tenant (its cache salt isolates the tenant's cache)
     tenant: str | None = None
+    #: how chat messages render (chat only)
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    #: text prompts: the tokenizer's special tokens around the text (vLLM's completions default)
+    add_special_tokens: bool = False
+    #: keep only this many prompt tokens (-1: the context), from ``truncation_side``
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,13 +115,14 @@ class Built:
 def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
     """The engine request (and chat plan) for ``api``; raises NotFoundError
     (another model) or InvalidRequestError (no prompt, over-long ids)."""
-    if api.model != served_model:
+    if api.model and api.model != served_model:
         raise NotFoundError("model %r is not served here (serving %r)" % (api.model, served_model))
     if len(api.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id longer than %d characters" % MAX_REQUEST_ID_CHARS)
     if api.cache_salt is not None and len(api.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError("cache_salt longer than %d characters" % MAX_CACHE_SALT_CHARS)
     cfg, tok = orch.cfg, orch.tokenizer
+    profile = profile_of(cfg)
     salt = ApiKeys.salt(api.tenant, api.cache_salt)
     checkpoints = list(api.checkpoints)
     boundaries: tuple[int, ...] = ()
@@ -102,13 +131,13 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
         if not api.messages:
             raise InvalidRequestError("chat needs at least one message")
         recall = partial(orch.answers.recall, salt) if cfg.answer_checkpoints else None
-        chat = tok.chat_prompt(list(api.messages), recall=recall)
+        chat = tok.chat_prompt(list(api.messages), api.chat, recall=recall)
         tokens = chat.ids
         # branch-aware: checkpoint where the system prompt's shared part ends and where the last
         # user turn starts, so the first conversation already leaves them reusable
         if cfg.checkpoint_policy == "branch-aware":
             validate_checkpoints(tuple(checkpoints), len(tokens))  # the client's own list, as it sent it
-            if cfg.engine == "vllm":
+            if profile.staged:  # each costs an engine step: the dispatcher stages those worth one
                 boundaries = chat.boundaries
             else:
                 checkpoints = list(merge_requested(checkpoints, chat.boundaries, len(tokens)))
@@ -124,21 +153,72 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
     elif api.token_ids is not None:
         tokens, default_max = list(api.token_ids), DEFAULT_MAX_TOKENS
     elif api.text is not None:
-        tokens, default_max = tok.encode(api.text), DEFAULT_MAX_TOKENS
+        tokens, default_max = tok.encode(api.text, api.add_special_tokens), DEFAULT_MAX_TOKENS
     else:
         raise InvalidRequestError("one of a prompt (text or token ids) or chat messages is required")
     if not tokens:
         raise InvalidRequestError("prompt tokenizes to nothing")
+    untruncated = len(tokens)
+    tokens = _truncated(tokens, api, cfg.max_model_len)
+    if len(tokens) != untruncated:
+        checkpoints, boundaries, plan = [], (), None  # positions of the untruncated prompt mean nothing
     s = api.sampling
     max_tokens = s.max_tokens if s.max_tokens is not None else max(1, min(default_max, cfg.max_model_len - len(tokens)))
-    sp = SamplingParams(
+    sp = sampling_params(s, max_tokens, tok)
+    check_features(sp, profile)
+    req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
+    return Built(req, plan, boundaries)
+
+
+def sampling_params(s: Sampling, max_tokens: int, tok: TextTokenizer) -> SamplingParams:
+    """The engine's sampling parameters for what the client asked."""
+    stops = tuple(dict.fromkeys((*s.stop_token_ids, *(() if s.ignore_eos else tok.stop_token_ids))))
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=s.temperature,
         top_p=s.top_p,
         top_k=s.top_k,
         seed=s.seed,
-        stop_token_ids=() if s.ignore_eos else tok.stop_token_ids,  # the end-of-turn ids are EOS too
+        stop_token_ids=stops,  # the end-of-turn ids are EOS too
         ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        logit_bias=tuple(sorted(s.logit_bias)),
+        min_tokens=s.min_tokens,
+        bad_words=bad_word_ids(s.bad_words, tok),
+        logprobs=s.logprobs,
+        structured=s.structured,
+        min_p=s.min_p,
+        allowed_token_ids=tuple(sorted(set(s.allowed_token_ids))) if s.allowed_token_ids is not None else None,
     )
-    req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
-    return Built(req, plan, boundaries)
+
+
+def bad_word_ids(words: tuple[str, ...], tok: TextTokenizer) -> tuple[tuple[int, ...], ...]:
+    """Token id sequences of ``bad_words``, as vLLM's ``SamplingParams.update_from_tokenizer``
+    makes them: each word as it stands (leading spaces stripped), and with one leading
+    space where that tokenizes to a different first token of the same length."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tok.encode(word.lstrip()))
+        if not plain:
+            raise InvalidRequestError("bad_words: %r tokenizes to nothing" % word)
+        out.append(plain)
+        spaced = tuple(tok.encode(" " + word.lstrip()))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+def _truncated(tokens: list[int], api: ApiRequest, max_model_len: int) -> list[int]:
+    """The prompt ``truncate_prompt_tokens`` keeps (vLLM's rule: -1 is the context)."""
+    k = api.truncate_prompt_tokens
+    if k is None or k >= len(tokens):
+        return tokens
+    if k == -1:
+        k = max_model_len
+        if k >= len(tokens):
+            return tokens
+    if k < 1:
+        raise InvalidRequestError("truncate_prompt_tokens must be -1 or >= 1")
+    return tokens[-k:] if api.truncation_side == "left" else tokens[:k]

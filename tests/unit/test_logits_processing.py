@@ -176,3 +176,20 @@ def test_out_of_range_processor_fields_are_refused() -> None:
     ):
         with pytest.raises(InvalidRequestError):
             eng.add_request(req("bad", TOKENS, 6, **bad))  # type: ignore[arg-type]
+
+
+def test_allowed_token_ids_mask_every_other_token() -> None:
+    got = logits.process(_row(), SamplingParams(allowed_token_ids=(1, 4)), [], [], EOS)
+    assert got[1] == -1.0 and got[4] == -2.0
+    assert all(got[i] == -math.inf for i in range(V) if i not in (1, 4))
+    assert set(_plain(allowed_token_ids=(9, 10))) <= {9, 10}
+
+
+def test_min_p_drops_unlikely_tokens_after_temperature() -> None:
+    from hybridpd.engine.native import sampler
+
+    p = sampler.probs(_row()[None], SamplingParams(temperature=1.0, min_p=0.3))[0]
+    full = torch.softmax(_row(), -1)
+    kept = full >= 0.3 * full.max()
+    assert torch.equal(p > 0, kept)
+    assert torch.allclose(p[kept], full[kept] / full[kept].sum())

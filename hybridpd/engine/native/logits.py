@@ -1,7 +1,7 @@
 """Logits processing and logprobs of the native sampler, in vLLM's order and meaning.
 
     raw logits --logprobs (raw log-softmax: vLLM's default ``raw_logprobs``)
-               --bad_words, logit_bias, min_tokens (vLLM's logits processors)
+               --allowed_token_ids, bad_words, logit_bias, min_tokens (vLLM's logits processors)
                --repetition, frequency, presence penalties (``apply_penalties``)
                --> processed logits (then temperature, top-k, top-p: ``sampler.probs``)
 
@@ -31,6 +31,10 @@ def process(
     ``logits`` itself is left unchanged. ``output``: the tokens generated so far."""
     x = logits.float().clone()
     vocab = x.shape[-1]
+    if sp.allowed_token_ids is not None:
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[torch.tensor([t for t in sp.allowed_token_ids if 0 <= t < vocab], dtype=torch.long)] = True
+        x = x.masked_fill(~keep, float("-inf"))
     for word in sp.bad_words:
         *head, last = word
         if last < vocab and (not head or tuple(output[len(output) - len(head) :]) == tuple(head)):

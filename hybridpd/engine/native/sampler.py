@@ -19,8 +19,11 @@ def is_greedy(sp: SamplingParams) -> bool:
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
-    """Sampling distribution per row after temperature, top-k and top-p."""
+    """Sampling distribution per row after temperature, min-p, top-k and top-p."""
     x = logits.float() / max(sp.temperature, 1e-6)
+    if sp.min_p > 0.0:  # vLLM's order: after temperature, before top-k and top-p
+        p0 = torch.softmax(x, dim=-1)
+        x = x.masked_fill(p0 < sp.min_p * p0.max(dim=-1, keepdim=True).values, float("-inf"))
     if sp.top_k and sp.top_k < x.shape[-1]:
         kth = torch.topk(x, sp.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

@@ -1,0 +1,127 @@
+"""The choices of one API request: ``n`` per prompt, and a batch of prompts.
+
+    prompts x n  ->  one engine request per choice (index = prompt * n + j)
+                     the first of each prompt runs at once; its siblings start
+                     once it has its first event (its prefill ended: the prompt
+                     is cached where it ran, so theirs hit it: computed once)
+                 ->  (index, Event) as they come, every choice's until it ends
+
+A sibling's request id is ``<id>-<index>`` and its seed ``seed + j`` (vLLM's
+rule for ``n``); only the first choice of a prompt keeps its answer
+checkpoint. A failure of any choice fails the request: the others are
+cancelled, and each one's ``finally`` aborts its work on every actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, replace
+
+from hybridpd.engine.base import EngineRequest, RequestId
+from services.router.orchestrator import Orchestrator
+from services.router.output import Event, OutputOptions
+from services.router.request_builder import Built
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One choice to serve: its index in the response and what runs for it."""
+
+    index: int
+    built: Built
+    #: the first choice of its prompt (its siblings wait for its prefill)
+    leader: bool = True
+
+
+def expand(builts: list[Built], n: int) -> list[Choice]:
+    """``n`` choices per built prompt, with their own ids and seeds (module docstring)."""
+    if len(builts) == 1 and n == 1:
+        return [Choice(0, builts[0])]
+    out: list[Choice] = []
+    for p, built in enumerate(builts):
+        for j in range(n):
+            index = p * n + j
+            req = built.request
+            sp = req.sampling
+            seed = sp.seed + j if sp.seed is not None and j else sp.seed
+            child = replace(
+                req, request_id=RequestId("%s-%d" % (req.request_id, index)), sampling=replace(sp, seed=seed)
+            )
+            answer = built.answer if j == 0 else None
+            out.append(Choice(index, Built(child, answer, built.boundaries), j == 0))
+    return out
+
+
+async def serve(
+    orch: Orchestrator, choices: list[Choice], api: str, force: str | None, opts: OutputOptions
+) -> AsyncIterator[tuple[int, Event]]:
+    """Every choice's events, tagged with its index, until each has its last one.
+    Raises what a choice raised (the others cancelled)."""
+    if len(choices) == 1:
+        c = choices[0]
+        async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
+            async for ev in events:
+                yield c.index, ev
+        return
+    queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
+    gates: dict[int, asyncio.Event] = {}
+    tasks: list[asyncio.Task[None]] = []
+    leader = -1
+    for c in choices:
+        if c.leader:
+            leader = c.index
+            gates[leader] = asyncio.Event()
+        gate = gates[leader]
+        tasks.append(asyncio.ensure_future(_drive(orch, c, api, force, opts, queue, gate, c.leader)))
+    try:
+        left = len(choices)
+        while left:
+            index, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _drive(
+    orch: Orchestrator,
+    c: Choice,
+    api: str,
+    force: str | None,
+    opts: OutputOptions,
+    queue: asyncio.Queue[tuple[int, Event | BaseException | None]],
+    gate: asyncio.Event,
+    leader: bool,
+) -> None:
+    """Run one choice into ``queue``: its events, an exception if it failed, then None."""
+    try:
+        if not leader:
+            await gate.wait()
+        async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
+            async for ev in events:
+                if leader:
+                    gate.set()
+                await queue.put((c.index, ev))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put((c.index, exc))
+    finally:
+        if leader:
+            gate.set()  # a failed or empty leader must not hold its siblings forever
+    await queue.put((c.index, None))
+
+
+def _stream(
+    orch: Orchestrator, built: Built, api: str, force: str | None, opts: OutputOptions
+) -> AsyncGenerator[Event, None]:
+    req: EngineRequest = built.request
+    return orch.stream(req, api, force, opts, built.answer, built.boundaries)  # type: ignore[return-value]
