@@ -93,3 +93,105 @@ def test_a_grpc_chat_builds_what_the_same_http_chat_builds() -> None:
     want = build(_api(messages=MSGS, cache_salt="tenant-salt", sampling=Sampling(temperature=0.0)), orch, "tiny")
     assert got == want
     assert got.answer is not None and got.request.checkpoints  # boundaries and the answer plan, as over HTTP
+
+
+# -- the request surface's rendering and tokenizing fields -----------------------------------
+def test_skip_special_tokens_keeps_them_in_the_text() -> None:
+    from services.router.output import OutputOptions, OutputProcessor
+
+    special = TOK.stop_token_ids[-1]
+    ids = (*TOK.encode(" hello"), special, *TOK.encode(" world"))
+    kept = OutputProcessor(TOK, OutputOptions(skip_special_tokens=False), 3, 0).push(ids, True, "length")
+    skipped = OutputProcessor(TOK, OutputOptions(), 3, 0).push(ids, True, "length")
+    name = TOK.token_text(special)
+    assert name in kept.text and name not in skipped.text
+
+
+def test_truncation_keeps_the_side_asked_for() -> None:
+    orch = _orch()
+    ids = tuple(range(10, 40))
+    left = build(_api(token_ids=ids, truncate_prompt_tokens=5), orch, "tiny").request.prompt_token_ids
+    right = build(_api(token_ids=ids, truncate_prompt_tokens=5, truncation_side="right"), orch, "tiny").request
+    assert left == ids[-5:] and right.prompt_token_ids == ids[:5]
+    assert build(_api(token_ids=ids, truncate_prompt_tokens=-1), orch, "tiny").request.prompt_token_ids == ids
+    with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
+        build(_api(token_ids=ids, truncate_prompt_tokens=0), orch, "tiny")
+
+
+def test_add_special_tokens_reaches_the_tokenizer() -> None:
+    calls: list[bool] = []
+
+    class Spy(type(TOK)):  # type: ignore[misc]
+        def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+            calls.append(add_special_tokens)
+            return super().encode(text, add_special_tokens)
+
+    orch = _orch()
+    orch.tokenizer = Spy.__new__(Spy)
+    orch.tokenizer.__dict__.update(TOK.__dict__)
+    build(_api(text="hello there", add_special_tokens=True), orch, "tiny")
+    build(_api(text="hello there"), orch, "tiny")
+    assert calls == [True, False]
+
+
+def test_chat_template_kwargs_reach_the_template() -> None:
+    from hybridpd.tokenizer import ChatOptions
+
+    tok = type(TOK).__new__(type(TOK))
+    tok.__dict__.update(TOK.__dict__)
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    tok.template = ImmutableSandboxedEnvironment().from_string(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!!{% endif %}"
+    )
+    msgs = [ChatMessage("user", "hi")]
+    assert tok.chat_prompt(msgs, ChatOptions(template_kwargs={"shout": True})).text == "hi!!"
+    assert tok.chat_prompt(msgs, ChatOptions(template_kwargs={"shout": False})).text == "hi"
+    with pytest.raises(InvalidRequestError, match="messages"):
+        tok.chat_prompt(msgs, ChatOptions(template_kwargs={"messages": []}))
+
+
+def test_continue_final_message_cuts_after_its_content() -> None:
+    from hybridpd.tokenizer import ChatOptions
+
+    msgs = [ChatMessage("user", "What is a string?"), ChatMessage("assistant", "A string is")]
+    cont = TOK.chat_prompt(msgs, ChatOptions(add_generation_prompt=False, continue_final_message=True))
+    whole = TOK.chat_prompt(msgs, ChatOptions(add_generation_prompt=False))
+    assert cont.text.endswith("A string is") and whole.text.startswith(cont.text) and whole.text != cont.text
+
+
+def test_bad_words_tokenize_as_vllm_does() -> None:
+    from services.router.request_builder import bad_word_ids
+
+    got = bad_word_ids(("hello",), TOK)
+    plain, spaced = tuple(TOK.encode("hello")), tuple(TOK.encode(" hello"))
+    assert got[0] == plain
+    assert (spaced in got) == (spaced[0] != plain[0] and len(spaced) == len(plain))
+
+
+def test_every_sampling_field_reaches_the_engine_request() -> None:
+    from hybridpd.engine.base import StructuredOutput
+
+    orch = _orch(engine="vllm")
+    s = Sampling(
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        repetition_penalty=1.2,
+        logit_bias=((7, 1.0), (3, -1.0)),
+        min_tokens=2,
+        stop_token_ids=(9,),
+        bad_words=("hello",),
+        allowed_token_ids=(12, 11),
+        logprobs=3,
+        structured=StructuredOutput(regex="[0-9]+"),
+        min_p=0.1,
+        seed=5,
+    )
+    sp = build(_api(token_ids=tuple(range(10, 40)), sampling=s), orch, "tiny").request.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, 0.25, 1.2)
+    assert sp.logit_bias == ((3, -1.0), (7, 1.0)) and sp.min_tokens == 2 and sp.min_p == 0.1 and sp.seed == 5
+    assert sp.stop_token_ids[0] == 9 and set(TOK.stop_token_ids) <= set(sp.stop_token_ids)
+    assert sp.bad_words[0] == tuple(TOK.encode("hello")) and sp.allowed_token_ids == (11, 12)
+    assert sp.logprobs == 3 and sp.structured == StructuredOutput(regex="[0-9]+")
+    with pytest.raises(InvalidRequestError, match="response_format / structured_outputs.*native"):
+        build(_api(token_ids=tuple(range(10, 40)), sampling=s), _orch(), "tiny")
