@@ -22,35 +22,48 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridpd/v1/generate.proto\x12\x0bhybridpd.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\":\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.hybridpd.v1.ChatMessage\"\x99\x01\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.hybridpd.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x19.hybridpd.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x08 \x03(\rB\x08\n\x06prompt\"\x82\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1c\n\x0fpromised_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_promised_tokens\"\x9c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.hybridpd.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.hybridpd.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1d.hybridpd.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.hybridpd.v1.AbortRequest\x1a\x1a.hybridpd.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ahybridpd/v1/generate.proto\x12\x0bhybridpd.v1\x1a\x1cgoogle/protobuf/struct.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xcf\x01\n\x0c\x43hatMessages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.hybridpd.v1.ChatMessage\x12\x1e\n\x16\x63ontinue_final_message\x18\x02 \x01(\x08\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x35\n\x14\x63hat_template_kwargs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.StructB\x18\n\x16_add_generation_prompt\"\xe5\x05\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x00\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x02\x88\x01\x01\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.hybridpd.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x11\n\tbad_words\x18\x0f \x03(\t\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\x04\x88\x01\x01\x12\x19\n\x11\x61llowed_token_ids\x18\x12 \x03(\r\x12\x31\n\nstructured\x18\x13 \x01(\x0b\x32\x1d.hybridpd.v1.StructuredOutput\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x05\x88\x01\x01\x12\t\n\x01n\x18\x16 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokens\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xb3\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.hybridpd.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x1a\n\x12whitespace_pattern\x18\x06 \x01(\tB\x06\n\x04kind\"\xfd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.hybridpd.v1.TokenIdsH\x00\x12)\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x19.hybridpd.v1.ChatMessagesH\x00\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.hybridpd.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x13\n\x0b\x63heckpoints\x18\x08 \x03(\rB\x08\n\x06prompt\"\x82\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x1c\n\x0fpromised_tokens\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x12\n\x10_promised_tokens\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"S\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.hybridpd.v1.TopLogprob\"\x97\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.hybridpd.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.hybridpd.v1.Usage\x12\r\n\x05index\x18\x06 \x01(\r\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.hybridpd.v1.TokenLogprob\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\t \x01(\rH\x00\x42\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x97\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.hybridpd.v1.GenerateRequest\x1a\x1d.hybridpd.v1.GenerateResponse0\x01\x12>\n\x05\x41\x62ort\x12\x19.hybridpd.v1.AbortRequest\x1a\x1a.hybridpd.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hybridpd.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=946
-  _globals['_FINISHREASON']._serialized_end=1066
-  _globals['_TOKENIDS']._serialized_start=43
-  _globals['_TOKENIDS']._serialized_end=66
-  _globals['_CHATMESSAGE']._serialized_start=68
-  _globals['_CHATMESSAGE']._serialized_end=112
-  _globals['_CHATMESSAGES']._serialized_start=114
-  _globals['_CHATMESSAGES']._serialized_end=172
-  _globals['_SAMPLINGPARAMS']._serialized_start=175
-  _globals['_SAMPLINGPARAMS']._serialized_end=328
-  _globals['_GENERATEREQUEST']._serialized_start=331
-  _globals['_GENERATEREQUEST']._serialized_end=584
-  _globals['_USAGE']._serialized_start=587
-  _globals['_USAGE']._serialized_end=717
-  _globals['_GENERATERESPONSE']._serialized_start=720
-  _globals['_GENERATERESPONSE']._serialized_end=876
-  _globals['_ABORTREQUEST']._serialized_start=878
-  _globals['_ABORTREQUEST']._serialized_end=912
-  _globals['_ABORTRESPONSE']._serialized_start=914
-  _globals['_ABORTRESPONSE']._serialized_end=944
-  _globals['_GENERATION']._serialized_start=1069
-  _globals['_GENERATION']._serialized_end=1220
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2184
+  _globals['_FINISHREASON']._serialized_end=2304
+  _globals['_TOKENIDS']._serialized_start=73
+  _globals['_TOKENIDS']._serialized_end=96
+  _globals['_CHATMESSAGE']._serialized_start=98
+  _globals['_CHATMESSAGE']._serialized_end=142
+  _globals['_CHATMESSAGES']._serialized_start=145
+  _globals['_CHATMESSAGES']._serialized_end=352
+  _globals['_SAMPLINGPARAMS']._serialized_start=355
+  _globals['_SAMPLINGPARAMS']._serialized_end=1096
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=935
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=983
+  _globals['_CHOICELIST']._serialized_start=1098
+  _globals['_CHOICELIST']._serialized_end=1127
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1130
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1309
+  _globals['_GENERATEREQUEST']._serialized_start=1312
+  _globals['_GENERATEREQUEST']._serialized_end=1565
+  _globals['_USAGE']._serialized_start=1568
+  _globals['_USAGE']._serialized_end=1698
+  _globals['_TOPLOGPROB']._serialized_start=1700
+  _globals['_TOPLOGPROB']._serialized_end=1747
+  _globals['_TOKENLOGPROB']._serialized_start=1749
+  _globals['_TOKENLOGPROB']._serialized_end=1832
+  _globals['_GENERATERESPONSE']._serialized_start=1835
+  _globals['_GENERATERESPONSE']._serialized_end=2114
+  _globals['_ABORTREQUEST']._serialized_start=2116
+  _globals['_ABORTREQUEST']._serialized_end=2150
+  _globals['_ABORTRESPONSE']._serialized_start=2152
+  _globals['_ABORTRESPONSE']._serialized_end=2182
+  _globals['_GENERATION']._serialized_start=2307
+  _globals['_GENERATION']._serialized_end=2458
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,21 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from hybridpd.auth import ApiKeys
-from hybridpd.errors import HybridPDError, describe, grpc_code
-from hybridpd.tokenizer import ChatMessage
+from hybridpd.engine.base import StructuredOutput
+from hybridpd.errors import HybridPDError, InvalidRequestError, describe, grpc_code
+from hybridpd.tokenizer import ChatMessage, ChatOptions
 from hybridpd.v1 import generate_pb2, generate_pb2_grpc
+from services.router.choices import expand, serve
+from services.router.openai_models import MAX_CHOICES
 from services.router.orchestrator import Orchestrator
+from services.router.output import OutputOptions
 from services.router.request_builder import ApiRequest, Built, Sampling, build
 
 _REASONS = {
@@ -38,26 +45,34 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> Built:
         """Parse ``msg`` (proto3: 0 / empty means unset) and build it as HTTP does
-        (``request_builder.build``: chat with boundaries and answer checkpoints)."""
+        (``request_builder.build``: chat with boundaries and answer checkpoints).
+        A field this server does not know (a newer client's) is refused by number."""
+        unknown = _unknown_fields(msg)
+        if unknown:
+            raise InvalidRequestError("unknown fields (a newer client?): %s" % ", ".join(unknown))
         which = msg.WhichOneof("prompt")
         s = msg.sampling
+        if s.n > MAX_CHOICES:
+            raise InvalidRequestError("sampling.n: at most %d choices, got %d" % (MAX_CHOICES, s.n))
+        chat = ChatOptions()
+        if which == "chat":
+            c = msg.chat
+            gen = c.add_generation_prompt if c.HasField("add_generation_prompt") else True
+            if c.continue_final_message and gen:
+                raise InvalidRequestError("chat: set add_generation_prompt false with continue_final_message")
+            kwargs = json_format.MessageToDict(c.chat_template_kwargs) if c.HasField("chat_template_kwargs") else {}
+            chat = ChatOptions(gen, c.continue_final_message, kwargs)
         api = ApiRequest(
             msg.request_id or uuid.uuid4().hex,
             msg.model or self.served_model,
-            Sampling(
-                max_tokens=s.max_tokens or None,
-                temperature=s.temperature,
-                top_p=s.top_p or 1.0,
-                top_k=s.top_k,
-                seed=s.seed if s.has_seed else None,
-                ignore_eos=s.ignore_eos,
-            ),
+            _sampling(s),
             text=msg.text if which == "text" else None,
             token_ids=tuple(msg.token_ids.ids) if which == "token_ids" else None,
             messages=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages) if which == "chat" else None,
             cache_salt=msg.cache_salt or None,
             checkpoints=tuple(msg.checkpoints),
             tenant=tenant,
+            chat=chat,
         )
         return build(api, self.orch, self.served_model)
 
@@ -66,11 +81,22 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
             built = self._request(request, self._tenant(context))
-            req, stop = built.request, tuple(request.sampling.stop)
-            async for ev in self.orch.stream(req, "grpc", None, stop, built.answer, built.boundaries):
+            req, s = built.request, request.sampling
+            skip = s.skip_special_tokens if s.HasField("skip_special_tokens") else True
+            opts = OutputOptions(
+                tuple(s.stop), s.include_stop_str_in_output, s.min_tokens, skip, tuple(s.stop_token_ids)
+            )
+            async for index, ev in serve(self.orch, expand([built], s.n or 1), "grpc", None, opts):
                 resp = generate_pb2.GenerateResponse(
-                    request_id=req.request_id, token_ids=list(ev.token_ids), text=ev.text
+                    request_id=req.request_id, token_ids=list(ev.token_ids), text=ev.text, index=index
                 )
+                for lp in ev.logprobs or ():
+                    top = [generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+                    resp.logprobs.append(generate_pb2.TokenLogprob(logprob=lp.logprob, rank=lp.rank, top=top))
+                if isinstance(ev.stop_reason, str):
+                    resp.stop_string = ev.stop_reason
+                elif isinstance(ev.stop_reason, int):
+                    resp.stop_token_id = ev.stop_reason
                 if ev.finished and ev.usage is not None:
                     resp.finish_reason = _REASONS.get(ev.finish_reason or "", generate_pb2.FINISH_REASON_UNSPECIFIED)
                     resp.usage.CopyFrom(
@@ -93,6 +119,54 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except HybridPDError as exc:
             await context.abort(grpc_code(exc), describe(exc))
         return generate_pb2.AbortResponse(found=self.orch.abort(request.request_id))
+
+
+def _sampling(s: generate_pb2.SamplingParams) -> Sampling:
+    """The sampling of a request's ``SamplingParams`` message (proto3 zeros mean unset)."""
+    return Sampling(
+        max_tokens=s.max_tokens or None,
+        temperature=s.temperature,
+        top_p=s.top_p or 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.has_seed else None,
+        ignore_eos=s.ignore_eos,
+        min_p=s.min_p,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
+        logit_bias=tuple(s.logit_bias.items()),
+        min_tokens=s.min_tokens,
+        stop_token_ids=tuple(s.stop_token_ids),
+        bad_words=tuple(s.bad_words),
+        allowed_token_ids=tuple(s.allowed_token_ids) or None,
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        structured=_structured(s.structured) if s.HasField("structured") else None,
+    )
+
+
+def _structured(m: generate_pb2.StructuredOutput) -> StructuredOutput:
+    kind = m.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("sampling.structured: set one of json_schema, json_object, regex, choice, grammar")
+    ws = m.whitespace_pattern or None
+    if kind == "choice":
+        if not m.choice.choices:
+            raise InvalidRequestError("sampling.structured.choice: needs at least one choice")
+        return StructuredOutput(choice=tuple(m.choice.choices), whitespace_pattern=ws)
+    if kind == "json_object":
+        return StructuredOutput(json_object=m.json_object, whitespace_pattern=ws)
+    field = {"json_schema": "json"}.get(kind, kind)
+    return StructuredOutput(**{field: getattr(m, kind)}, whitespace_pattern=ws)
+
+
+def _unknown_fields(msg: Message, path: str = "") -> list[str]:
+    """Field numbers ``msg`` (and the messages it holds) carry but this proto does not define."""
+    out = ["%s#%d" % (path or msg.DESCRIPTOR.name, f.field_number) for f in UnknownFieldSet(msg)]
+    for fd, value in msg.ListFields():
+        if fd.message_type is not None and not fd.message_type.GetOptions().map_entry:
+            for i, sub in enumerate(value if fd.is_repeated else [value]):
+                out += _unknown_fields(sub, "%s%s[%d]" % (path, fd.name, i) if fd.is_repeated else path + fd.name)
+    return out
 
 
 def create_grpc_server(orch: Orchestrator, served_model: str, address: str) -> grpc.aio.Server:

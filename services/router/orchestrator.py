@@ -285,9 +285,13 @@ class Orchestrator:
             self.metrics.answer_checkpoints.inc()
 
     def abort(self, request_id: str) -> bool:
-        """Abort ``request_id`` on the actors holding it; False if none does."""
-        flight = self.running.get(request_id)
-        if flight is None or not flight.actors:
-            return False
-        flight.abort()
-        return True
+        """Abort ``request_id`` (or, for a request of several choices, each of its
+        ``<id>-<index>`` choices) on the actors holding it; False if none does."""
+        flights = [self.running[request_id]] if request_id in self.running else []
+        if not flights:
+            prefix = request_id + "-"
+            flights = [f for rid, f in self.running.items() if rid.startswith(prefix) and rid[len(prefix) :].isdigit()]
+        held = [f for f in flights if f.actors]
+        for flight in held:
+            flight.abort()
+        return bool(held)

@@ -175,12 +175,20 @@ def test_chat_rendering_fields(stack: Stack) -> None:
     assert both.status_code == 400 and "continue_final_message" in both.json()["error"]["message"]
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "a string?"}]
     as_parts = _post(stack, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": parts}]})
-    joined = _post(stack, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "What is\na string?"}]})
+    joined = _post(
+        stack, "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "What is\na string?"}]}
+    )
     assert as_parts.json()["choices"][0]["message"] == joined.json()["choices"][0]["message"]
 
 
 def test_usage_in_a_stream(stack: Stack) -> None:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     chunks = []
     with httpx.stream("POST", stack.http + "/v1/completions", json={**body, "n": 2}) as resp:
         chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
@@ -219,3 +227,39 @@ def test_what_is_not_honoured_is_a_400_naming_it(stack: Stack, field: str, value
         assert r.status_code == 400, (path, field, r.text)
         msg = r.json()["error"]["message"]
         assert field in msg or (field == "structured_outputs" and "response_format / structured_outputs" in msg)
+
+
+def test_grpc_takes_the_same_surface(stack: Stack) -> None:
+    import grpc
+
+    from hybridpd.v1 import generate_pb2 as pb
+    from hybridpd.v1 import generate_pb2_grpc as pb_grpc
+
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.grpc))
+    http = _choice(stack, max_tokens=8, logprobs=2, frequency_penalty=1.5)
+    sp = pb.SamplingParams(max_tokens=8, logprobs=2, frequency_penalty=1.5, n=2)
+    msgs = list(stub.Generate(pb.GenerateRequest(model="tiny", text=PROMPT, sampling=sp), timeout=120))
+    for index in (0, 1):
+        mine = [m for m in msgs if m.index == index]
+        assert [t for m in mine for t in m.token_ids] == http["token_ids"]
+        lps = [lp for m in mine for lp in m.logprobs]
+        assert [round(lp.logprob, 4) for lp in lps] == [round(v, 4) for v in http["logprobs"]["token_logprobs"]]
+        assert all(len(lp.top) == 2 and lp.rank == 1 for lp in lps)
+    ids = http["token_ids"]
+    stop = pb.SamplingParams(max_tokens=8, stop_token_ids=[ids[2]], frequency_penalty=1.5)
+    last = list(stub.Generate(pb.GenerateRequest(model="tiny", text=PROMPT, sampling=stop), timeout=120))[-1]
+    assert last.finish_reason == pb.FINISH_REASON_STOP and last.stop_token_id == ids[2]
+    # a grammar the native engine cannot follow, and a field this server does not know: INVALID_ARGUMENT naming them
+    bad = pb.SamplingParams(structured=pb.StructuredOutput(regex="[0-9]+"))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(pb.GenerateRequest(model="tiny", text=PROMPT, sampling=bad), timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured" in (err.value.details() or "")
+    raw = pb.GenerateRequest(model="tiny", text=PROMPT).SerializeToString() + bytes([0xF8, 0x06, 0x01])
+    call = grpc.insecure_channel(stack.grpc).unary_stream(
+        "/hybridpd.v1.Generation/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(call(raw, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "#111" in (err.value.details() or "")
