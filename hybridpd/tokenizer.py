@@ -63,7 +63,7 @@ class TextTokenizer:
         so the model continues it; InvalidRequestError where the template drops that content."""
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        reserved = {"messages", "add_generation_prompt"} & set(opts.template_kwargs)
+        reserved = {"messages", "add_generation_prompt", "tools"} & set(opts.template_kwargs)
         if reserved:
             raise InvalidRequestError("chat_template_kwargs may not set %s" % ", ".join(sorted(reserved)))
         try:
@@ -71,6 +71,7 @@ class TextTokenizer:
                 **opts.template_kwargs,
                 messages=[{"role": m.role, "content": m.content} for m in messages],
                 add_generation_prompt=opts.add_generation_prompt,
+                tools=[dict(t) for t in opts.tools] if opts.tools is not None else None,
             )
         except jinja2.TemplateError as exc:  # a kwarg the template needs but did not get, a sandbox refusal
             raise InvalidRequestError("chat template: %s" % exc) from None
@@ -168,6 +169,8 @@ class ChatOptions:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     #: the tokenizer's special tokens (a BOS) around the rendered text
     add_special_tokens: bool = False
+    #: tool definitions (OpenAI's ``tools``) for the template's ``tools`` variable
+    tools: tuple[Mapping[str, Any], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,11 +182,13 @@ async def completions(body: CompletionRequest, request: Request, st: State) -> R
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
     _check_choices(1, body.choices)
     msgs = tuple(ChatMessage(m.role, m.text) for m in body.messages)
+    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
     opts = ChatOptions(
         body.add_generation_prompt,
         body.continue_final_message,
         body.chat_template_kwargs or {},
         body.add_special_tokens,
+        tools,
     )
     api = replace(
         _api_request(body, request, st), messages=msgs, answer_checkpoint=body.hybridpd_answer_checkpoint, chat=opts

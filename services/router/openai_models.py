@@ -64,8 +64,6 @@ REFUSED: dict[str, Callable[[Any], bool]] = {
     "chat_template": _set,
     "media_io_kwargs": _set,
     "mm_processor_kwargs": _set,
-    "tools": lambda v: bool(v),
-    "tool_choice": lambda v: v not in (None, "none"),
     "functions": lambda v: bool(v),
     "function_call": lambda v: v not in (None, "none"),
     "best_of": lambda v: v not in (None, 1),
@@ -133,6 +131,8 @@ HONOURED: dict[str, str] = {
     "add_generation_prompt": "tests/e2e/test_request_surface.py::test_chat_rendering_fields",
     "continue_final_message": "tests/e2e/test_request_surface.py::test_chat_rendering_fields",
     "chat_template_kwargs": "tests/unit/test_request_builder.py::test_chat_template_kwargs_reach_the_template",
+    "tools": "tests/unit/test_request_builder.py::test_tools_reach_the_template_with_tool_choice_none",
+    "tool_choice": "tests/e2e/test_request_surface.py::test_what_is_not_honoured_is_a_400_naming_it",
     "hybridpd_prefill_instance": "tests/e2e/test_serving.py",
     "hybridpd_checkpoints": "tests/e2e/test_branch_aware.py",
     "hybridpd_answer_checkpoint": "tests/e2e/test_answers.py",
@@ -331,6 +331,22 @@ class ChatMessageIn(BaseModel):
         return c if isinstance(c, str) else "\n".join(p.text for p in c)
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -341,6 +357,10 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    #: rendered into the prompt by the chat template; with ``tool_choice`` "none" only
+    #: (this server parses no tool calls: "auto", "required" and a named tool are refused)
+    tools: list[ToolDef] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     #: make this answer part of the cached prefix (default: the answer_checkpoints config)
     hybridpd_answer_checkpoint: bool | None = None
 
@@ -350,6 +370,14 @@ class ChatCompletionRequest(_Common):
             raise ValueError("Cannot set both continue_final_message and add_generation_prompt to True.")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tools == []:
+            raise ValueError("tools must not be an empty array: give at least one tool or omit the field")
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else None)
+        if choice not in (None, "none"):
+            raise ValueError(
+                "tool_choice %r is not supported: this server parses no tool calls (use tool_choice 'none')"
+                % (choice if isinstance(choice, str) else "named")
+            )
         return self
 
 

@@ -212,7 +212,7 @@ def test_another_model_is_404(stack: Stack) -> None:
         ("structured_outputs", {"regex": "[0-9]+"}),
         ("use_beam_search", True),
         ("prompt_logprobs", 1),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "required"),
         ("frobnicate", 1),
     ],
 )
@@ -221,9 +221,12 @@ def test_what_is_not_honoured_is_a_400_naming_it(stack: Stack, field: str, value
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2}),
         ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
     ):
-        if field == "tools" and path == "/v1/completions":
-            continue
-        r = _post(stack, path, {**body, field: value})
+        extra = {field: value}
+        if field == "tool_choice":
+            if path == "/v1/completions":
+                continue
+            extra["tools"] = [{"type": "function", "function": {"name": "f"}}]
+        r = _post(stack, path, {**body, **extra})
         assert r.status_code == 400, (path, field, r.text)
         msg = r.json()["error"]["message"]
         assert field in msg or (field == "structured_outputs" and "response_format / structured_outputs" in msg)

@@ -193,5 +193,22 @@ def test_every_sampling_field_reaches_the_engine_request() -> None:
     assert sp.stop_token_ids[0] == 9 and set(TOK.stop_token_ids) <= set(sp.stop_token_ids)
     assert sp.bad_words[0] == tuple(TOK.encode("hello")) and sp.allowed_token_ids == (11, 12)
     assert sp.logprobs == 3 and sp.structured == StructuredOutput(regex="[0-9]+")
-    with pytest.raises(InvalidRequestError, match="response_format / structured_outputs.*native"):
+    with pytest.raises(InvalidRequestError, match=r"response_format / structured_outputs.*native"):
         build(_api(token_ids=tuple(range(10, 40)), sampling=s), _orch(), "tiny")
+
+
+def test_tools_reach_the_template_with_tool_choice_none() -> None:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from hybridpd.tokenizer import ChatOptions
+
+    tok = type(TOK).__new__(type(TOK))
+    tok.__dict__.update(TOK.__dict__)
+    tok.template = ImmutableSandboxedEnvironment().from_string(
+        "{% if tools %}{% for t in tools %}[{{ t['function']['name'] }}]{% endfor %}{% endif %}"
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    msgs = [ChatMessage("user", "hi")]
+    tools = ({"type": "function", "function": {"name": "get_weather"}},)
+    assert tok.chat_prompt(msgs, ChatOptions(tools=tools)).text == "[get_weather]hi"
+    assert tok.chat_prompt(msgs, ChatOptions()).text == "hi"

@@ -72,8 +72,6 @@ REFUSED_VALUES: dict[str, Any] = {
     "chat_template": "{{ messages }}",
     "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"x": 1},
-    "tools": [{"type": "function", "function": {"name": "f"}}],
-    "tool_choice": "auto",
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "best_of": 2,
@@ -126,7 +124,7 @@ def test_every_refused_field_has_a_refused_value() -> None:
 
 
 def test_defaults_of_refused_fields_pass() -> None:
-    defaults = {"length_penalty": 1.0, "priority": 0, "tool_choice": "none", "use_beam_search": False, "tools": []}
+    defaults = {"length_penalty": 1.0, "priority": 0, "use_beam_search": False}
     for model, body in ((CompletionRequest, COMPLETION), (ChatCompletionRequest, CHAT)):
         model.model_validate({**body, **defaults})
 
@@ -154,5 +152,12 @@ def test_chat_parts_and_their_limits() -> None:
         )
     with pytest.raises(ValidationError, match="tool_calls"):
         ChatCompletionRequest.model_validate({**CHAT, "messages": [{"role": "assistant", "tool_calls": []}]})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    ChatCompletionRequest.model_validate({**CHAT, "tools": tools, "tool_choice": "none"})
+    for choice in ({}, {"tool_choice": "auto"}, {"tool_choice": "required"}):
+        with pytest.raises(ValidationError, match="tool_choice"):
+            ChatCompletionRequest.model_validate({**CHAT, "tools": tools, **choice})
+    with pytest.raises(ValidationError, match="tools"):
+        ChatCompletionRequest.model_validate({**CHAT, "tools": []})
     with pytest.raises(ValidationError, match="Cannot set both"):
         ChatCompletionRequest.model_validate({**CHAT, "continue_final_message": True})
