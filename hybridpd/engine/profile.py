@@ -75,18 +75,23 @@ FEATURE_DOCS: dict[Feature, str] = {
     Feature.LOGPROBS: "`logprobs`, `top_logprobs`",
     Feature.MIN_P: "`min_p`",
     Feature.ALLOWED_TOKEN_IDS: "`allowed_token_ids`",
-    Feature.STRUCTURED_OUTPUTS: "`response_format` (`json_object`, `json_schema`), `structured_outputs`,"
-    " `guided_json`/`regex`/`choice`/`grammar`",
+    Feature.STRUCTURED_OUTPUTS: "`response_format` (`json_object`, `json_schema`), `structured_outputs`",
 }
 
 #: features the router itself provides on every engine (README table rows)
 ROUTER_FEATURES: tuple[str, ...] = (
-    "`n` (the prompt computed once, then its siblings hit it)",
+    "`n` (the prompt computed once)",
     "`echo`",
-    "a batch of prompts on completions",
-    "chat content as a list of text parts",
-    "`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`",
-    "`stop` strings, `include_stop_str_in_output`",
+    "a batch of prompts",
+    "chat text parts",
+    "`add_generation_prompt`",
+    "`continue_final_message`",
+    "`chat_template_kwargs`",
+    "`tools` with `tool_choice: none`",
+    "`stop`",
+    "`include_stop_str_in_output`",
+    "`skip_special_tokens`",
+    "`truncate_prompt_tokens`",
     "`/tokenize`, `/detokenize`, `/version`",
 )
 
@@ -203,18 +208,18 @@ def profile_of(cfg: HybridPDConfig) -> EngineProfile:
 
 
 def support_table(cfg: HybridPDConfig | None = None) -> str:
-    """The README's Markdown table: each feature, and whether each engine honours it."""
+    """The README's Markdown table: per engine, the features it honours and those it
+    refuses with a 400; then what the router provides on every engine."""
     from hybridpd.config import load_config  # NOTE: lazy: config.py imports this module
 
     cfg = cfg or load_config(env={})
     profiles = [make(cfg) for make in PROFILES.values()]
-    head = "| request field | " + " | ".join("`--engine %s`" % p.name for p in profiles) + " |"
-    rows = [head, "|---|" + "---|" * len(profiles)]
-    for feature, doc in FEATURE_DOCS.items():
-        marks = ["yes" if p.supports(feature) else "400" for p in profiles]
-        rows.append("| %s | %s |" % (doc, " | ".join(marks)))
-    for doc in ROUTER_FEATURES:
-        rows.append("| %s | %s |" % (doc, " | ".join("yes" for _ in profiles)))
+    rows = ["| engine | honoured | refused with a 400 naming the field |", "|---|---|---|"]
+    for p in profiles:
+        yes = ", ".join(doc for f, doc in FEATURE_DOCS.items() if p.supports(f))
+        no = ", ".join(doc for f, doc in FEATURE_DOCS.items() if not p.supports(f)) or "none"
+        rows.append("| `--engine %s` | %s | %s |" % (p.name, yes, no))
+    rows.append("| every engine (the router) | %s | |" % ", ".join(ROUTER_FEATURES))
     return "\n".join(rows)
 
 

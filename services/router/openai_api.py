@@ -22,9 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hybridpd import __version__
 from hybridpd.auth import ApiKeys
-from hybridpd.engine.base import StructuredOutput
 from hybridpd.errors import (
     AuthError,
     HybridPDError,
@@ -36,15 +34,14 @@ from hybridpd.errors import (
     unwrap,
 )
 from hybridpd.tokenizer import ChatMessage, ChatOptions
+from services.router import tokens_api
 from services.router.choices import expand, serve
 from services.router.openai_format import Kind, LogprobOptions, ResponseWriter, usage_json
 from services.router.openai_models import (
     MAX_CHOICES,
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     ErrorResponse,
-    TokenizeRequest,
     _Common,
 )
 from services.router.orchestrator import Orchestrator
@@ -107,6 +104,7 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
     app.add_exception_handler(Exception, on_unexpected)
     app.add_exception_handler(HybridPDError, on_error)  # type: ignore[arg-type]
     app.include_router(router)
+    app.include_router(tokens_api.router)
     return app
 
 
@@ -231,7 +229,7 @@ def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest
         bad_words=tuple(body.bad_words or ()),
         allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
         logprobs=logprobs,
-        structured=structured_output(body),
+        structured=body.structured(),
     )
     rid, tenant = body.request_id or request.state.request_id, request.state.tenant
     return ApiRequest(
@@ -243,24 +241,6 @@ def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side or "left",
     )
-
-
-def structured_output(body: _Common) -> StructuredOutput | None:
-    """The grammar ``response_format`` or ``structured_outputs`` asks for (None: free text)."""
-    rf, so = body.response_format, body.structured_outputs
-    if rf is not None and rf.type != "text" and so is not None:
-        raise InvalidRequestError("response_format: set it or structured_outputs, not both")
-    if so is not None:
-        schema = so.json_ if isinstance(so.json_, str) or so.json_ is None else json.dumps(so.json_)
-        choice = tuple(so.choice) if so.choice is not None else None
-        return StructuredOutput(schema, bool(so.json_object), so.regex, choice, so.grammar, so.whitespace_pattern)
-    if rf is None or rf.type == "text":
-        return None
-    if rf.type == "json_object":
-        return StructuredOutput(json_object=True)
-    if rf.json_schema is None or rf.json_schema.json_schema is None:
-        raise InvalidRequestError("response_format: json_schema needs its schema")
-    return StructuredOutput(json=json.dumps(rf.json_schema.json_schema))
 
 
 async def _generate(
@@ -301,45 +281,6 @@ async def models(st: State) -> dict:
         "max_model_len": st.orch.cfg.max_model_len,
     }
     return {"object": "list", "data": [card]}
-
-
-@router.post("/tokenize", responses=ERROR_RESPONSES)
-async def tokenize(body: TokenizeRequest, st: State) -> dict:
-    """vLLM's ``/tokenize``: a prompt, or chat messages through the template, to ids."""
-    tok = st.orch.tokenizer
-    if body.model and body.model != st.served_model:
-        raise NotFoundError("model %r is not served here (serving %r)" % (body.model, st.served_model))
-    if body.messages is not None:
-        msgs = [ChatMessage(m.role, m.text) for m in body.messages]
-        opts = ChatOptions(
-            body.add_generation_prompt,
-            body.continue_final_message,
-            body.chat_template_kwargs or {},
-            bool(body.add_special_tokens),
-        )
-        ids = tok.chat_prompt(msgs, opts).ids
-    elif body.prompt is not None:
-        ids = tok.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
-    else:
-        raise InvalidRequestError("tokenize needs a prompt or messages")
-    strs = [tok.token_text(i) for i in ids] if body.return_token_strs else None
-    return {"count": len(ids), "max_model_len": st.orch.cfg.max_model_len, "tokens": ids, "token_strs": strs}
-
-
-@router.post("/detokenize", responses=ERROR_RESPONSES)
-async def detokenize(body: DetokenizeRequest, st: State) -> dict:
-    """vLLM's ``/detokenize``: ids to text."""
-    if body.model and body.model != st.served_model:
-        raise NotFoundError("model %r is not served here (serving %r)" % (body.model, st.served_model))
-    vocab = st.orch.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in body.tokens):
-        raise InvalidRequestError("tokens must lie in [0, %d)" % vocab)
-    return {"prompt": st.orch.tokenizer.decode(body.tokens)}
-
-
-@router.get("/version")
-async def version() -> dict:
-    return {"version": __version__}
 
 
 @router.get("/health")

@@ -36,7 +36,7 @@ NAMES = ["prefill-0", "prefill-1"]
 class _Tokenizer:
     vocab_size = 4096
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "x" * len(ids)
 
 

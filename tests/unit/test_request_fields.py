@@ -14,13 +14,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from services.router.openai_models import (
-    HONOURED,
-    PASSED,
-    REFUSED,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+from services.router.request_fields import HONOURED, PASSED, REFUSED
 
 pytestmark = pytest.mark.unit
 
