@@ -17,8 +17,8 @@ that decides what is served lives here, so HTTP and gRPC are the same product:
 * chat rendering: ``add_generation_prompt``, ``continue_final_message``,
   ``chat_template_kwargs`` (``tokenizer.ChatOptions``); ``truncate_prompt_tokens``
   keeps the prompt's last (``truncation_side: right``: first) tokens;
-* sampling: ``max_tokens`` defaults to 16 (completion) or 256 (chat), clamped
-  to what the context leaves; the tokenizer's end-of-turn ids stop unless
+* sampling: ``max_tokens`` defaults as vLLM's server: 16 on completions (clamped
+  to what the context leaves), on chat what the context leaves; the tokenizer's end-of-turn ids stop unless
   ``ignore_eos``, the client's ``stop_token_ids`` always; ``bad_words`` become
   token id sequences as vLLM makes them; every feature the request needs is
   checked against the engine's profile (``engine/profile.py``: a 400 naming the
@@ -44,7 +44,8 @@ from services.router.answers import AnswerPlan
 from services.router.orchestrator import Orchestrator
 
 DEFAULT_MAX_TOKENS = 16
-DEFAULT_CHAT_MAX_TOKENS = 256
+#: chat: what the context leaves (vLLM's default)
+DEFAULT_CHAT_MAX_TOKENS = 1 << 30
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
 

@@ -61,7 +61,7 @@ def test_chat_gets_boundaries_an_answer_plan_and_its_default() -> None:
     mine = (8, chat.boundaries[0] + 3)  # one below the first boundary, one past it
     built = build(_api(messages=MSGS, checkpoints=mine), orch, "tiny")
     req = built.request
-    assert req.prompt_token_ids == tuple(chat.ids) and req.sampling.max_tokens == 256
+    assert req.prompt_token_ids == tuple(chat.ids) and req.sampling.max_tokens == 512 - len(chat.ids)
     assert req.checkpoints == tuple(sorted({*mine, *chat.boundaries}))  # merged, ascending
     validate_request(req, TOK.vocab_size, 512)  # what admission checks: ascending, at most 8
     many = tuple(range(1, 9))  # 8 of the client's own: the boundaries still go in
