@@ -376,6 +376,29 @@ def bench_eagle_ab(json_path: str, before: str | None, runs: int) -> None:
     eagle_ab.main(["--json", json_path, "--runs", str(runs)] + (["--before", before] if before else []))
 
 
+@bench.command("ab")
+@json_option("ab")
+@click.option("--before", default=None, help="Commit to compare against: run the interleaved A/B first.")
+@click.option("--runs", type=click.IntRange(min=1), default=2, show_default=True, help="Runs of each bench per side.")
+@repeats_option(2, "Repeats inside each run.")
+@click.option(
+    "--bench",
+    "benches",
+    multiple=True,
+    type=click.Choice(["overhead", "router"]),
+    default=("overhead", "router"),
+    show_default=True,
+)
+def bench_ab(json_path: str, before: str | None, runs: int, repeats: int, benches: tuple[str, ...]) -> None:
+    """The serving path's cost before and after a commit: interleaved bench overhead and router runs."""
+    from pathlib import Path
+
+    from bench import ab
+
+    out = ab.main(before, runs, repeats, list(benches), Path(json_path))
+    click.echo(ab.markdown(out))
+
+
 @bench.command("index-scale")
 @workload_json_option("index_scale")
 @QUICK_OPTION
