@@ -332,13 +332,16 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
     * ``prompt_only_recomputes_answer``: every rounds->=2 request of
       ``prompt-only`` recomputes at least its ideal + the previous answer;
     * ``answers_cached_outputs_equal_nocache``: the same greedy answers as the
-      no-cache run of the same prompts, from the same commit;
-    * ``same_run``: computed from every variant's recorded provenance (times and
-      commit, bench/provenance.py), never assumed: the variants run interleaved,
-      so two of them form one sitting only with the repeats of the others between
-      them; ``done_when`` needs it.
+      no-cache run of the same prompts, from one run (same commit and machine);
+    * ``same_run``: computed from every variant's recorded provenance (times,
+      commit and machine, bench/provenance.py), never assumed: the variants run
+      interleaved, so two of them form one sitting only with the repeats of the
+      others between them; ``done_when`` needs it.
+
+    Every check that compares two variants (outputs, TTFT ratios, the cached
+    share against vllm-pd) reads ``NOT_COMPARABLE`` unless the two are one run.
     """
-    from bench.provenance import same_run
+    from bench.provenance import judged, variants_same_run
     from bench.repeats import repeat_views
 
     per = [_checks_one(v, unit) for v in repeat_views(variants)]
@@ -365,10 +368,11 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
         out["prompt_only_bound"] = "recomputed >= ideal + previous answer, per request"
         out["prompt_only_not_recomputing_answer"] = failures("prompt_only_not_recomputing_answer")
         out["prompt_only_recomputes_answer"] = not out["prompt_only_not_recomputing_answer"]
-    if ac is not None and nc is not None and _commits(ac) == _commits(nc) and len(_commits(ac)) == 1:
-        out["answers_cached_outputs_equal_nocache"] = all(c.get("outputs_equal", False) for c in per)
+    if ac is not None and nc is not None:
+        equal = {"answers_cached_outputs_equal_nocache": all(c.get("outputs_equal", False) for c in per)}
+        out.update(judged(variants_same_run([ac, nc]), equal))
     if ac is not None and po is not None:
-        out["same_run"] = same_run([r for v in variants.values() for r in v.get("provenance", [])])
+        out["same_run"] = variants_same_run(variants.values())
         out["done_when"] = bool(out["answers_cached_ok"] and out["prompt_only_recomputes_answer"] and out["same_run"])
     sv, svp = variants.get("stack-vllm"), variants.get("stack-vllm-prompt-only")
     if sv is not None:
@@ -379,9 +383,11 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
         out["stack_vllm_answer_hit_ok"] = hit is not None and hit >= STACK_VLLM_ANSWER_HIT_MIN
     if sv is not None and svp is not None:
         a, b = sv.get("ttft_p50_ms"), svp.get("ttft_p50_ms")
-        out["stack_vllm_ttft_ratio"] = a / b if a and b else None
-        out["stack_vllm_ttft_ok"] = bool(a and b and a / b <= STACK_VLLM_TTFT_MAX)
-        out["stack_vllm_same_run"] = same_run(list(sv.get("provenance", [])) + list(svp.get("provenance", [])))
+        same = variants_same_run([sv, svp])
+        ratio = {"stack_vllm_ttft_ratio": a / b if a and b else None}
+        ratio["stack_vllm_ttft_ok"] = bool(a and b and a / b <= STACK_VLLM_TTFT_MAX)
+        out.update(judged(same, ratio))
+        out["stack_vllm_same_run"] = same
     pd = variants.get("vllm-pd")
     if sv is not None and pd is not None:
         out.update(_against_vllm_pd(sv, pd))
@@ -391,17 +397,19 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
 def _against_vllm_pd(sv: dict[str, Any], pd: dict[str, Any]) -> dict[str, Any]:
     """#25's budget on multi-turn: stack-vllm caches a larger share of its prompt
     tokens than vllm-pd (rounds >= 2; the two tokenize their answers differently, so
-    shares, not counts) and its TTFT p50 is below vllm-pd's."""
+    shares, not counts) and its TTFT p50 is below vllm-pd's. Each share is its own
+    variant's figure; the comparisons read ``NOT_COMPARABLE`` unless the two are one run."""
+    from bench.provenance import judged, variants_same_run
+
     shares = [v["cached_tokens_per_request"] / v["prompt_tokens_per_request"] for v in (sv, pd)]
     a, b = sv.get("ttft_p50_ms"), pd.get("ttft_p50_ms")
-    return {
-        "stack_vllm_cached_share": shares[0],
-        "vllm_pd_cached_share": shares[1],
+    compared = {
         "stack_vllm_cached_above_vllm_pd": shares[0] > shares[1],
         "stack_vllm_ttft_p50_vs_vllm_pd": a / b if a and b else None,
         "stack_vllm_ttft_below_vllm_pd": bool(a and b and a < b),
     }
-
-
-def _commits(v: dict[str, Any]) -> set[str]:
-    return {p["commit"] for p in v.get("provenance", [])}
+    return {
+        "stack_vllm_cached_share": shares[0],
+        "vllm_pd_cached_share": shares[1],
+        **judged(variants_same_run([sv, pd]), compared),
+    }

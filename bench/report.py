@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -13,24 +12,27 @@ from bench import provenance, repeats
 
 
 def machine_info() -> dict[str, Any]:
-    """When the file was written, from which commit (dirty or not), on what machine.
-    Each measured unit also has its own ``provenance`` (bench/provenance.py)."""
+    """When the file was written, from which commit (dirty or not), on what machine
+    (``provenance.machine()``: CPU model and flags, torch's CPU capability, cores,
+    memory, kernel, machine id). Each measured unit also has its own
+    ``provenance`` (bench/provenance.py)."""
     commit, dirty = provenance.git_state()
     return {
         "written_utc": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "commit": commit,
         "dirty": dirty,
         "machine": platform.machine(),
-        "cpu": provenance.cpu_model(),
-        "cpus": os.cpu_count(),
+        **provenance.machine(),
         "python": platform.python_version(),
     }
 
 
 def run_summary(variants: dict[str, Any]) -> dict[str, Any]:
-    """``same_run`` (computed from the variants' recorded times and commits) and the span."""
+    """``same_run`` (computed from the variants' recorded times, commits and machines;
+    false where a variant has no provenance) and the span."""
     recs = repeats.provenances(variants)
-    return {"same_run": provenance.same_run(recs), **provenance.span(recs)} if recs else {"same_run": False}
+    same = provenance.variants_same_run(variants.values())
+    return {"same_run": same, **provenance.span(recs)} if recs else {"same_run": False}
 
 
 def previous_variants(json_path: Path, workload: dict[str, Any], quick: bool) -> dict[str, Any]:

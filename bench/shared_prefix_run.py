@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from bench.provenance import judged, variants_same_run
 from bench.repeats import measure_variants
 from bench.report import previous_variants, spread
 from bench.shared_prefix import (
@@ -410,7 +411,8 @@ def _placement_checks(results: dict[str, Any], bound: float) -> dict[str, Any]:
     """#27 on token-id prompts: ``branch-aware`` (placement on) reuses at least
     ``TWO_SHARER_BOUND`` of a prefix two requests share, reaches ``bound`` of the
     fan-out's ideal counted from the second conversation (``hit_ratio_all``: the first
-    has an ideal of 0), and is no worse than ``PLACEMENT_OFF`` on any other phase."""
+    has an ideal of 0), and is no worse than ``PLACEMENT_OFF`` on any other phase (a
+    comparison: ``NOT_COMPARABLE`` unless the two are one run)."""
     ours = results["branch-aware"]["phases"]
     out: dict[str, Any] = {}
     if "twosharer_ids" in ours:
@@ -418,12 +420,13 @@ def _placement_checks(results: dict[str, Any], bound: float) -> dict[str, Any]:
     out["fanout_ids_from_second_ok"] = ours["fanout_ids"]["hit_ratio_all"] >= bound
     if PLACEMENT_OFF in results:
         off = results[PLACEMENT_OFF]["phases"]
-        out["placement_worse_than_off"] = sorted(
+        worse = sorted(
             "%s: %.3f vs %.3f" % (p, x["hit_ratio_all"], off[p]["hit_ratio_all"])
             for p, x in ours.items()
             if p in off and x["hit_ratio_all"] < off[p]["hit_ratio_all"]
         )
-        out["placement_no_worse_ok"] = not out["placement_worse_than_off"]
+        same = variants_same_run([results["branch-aware"], results[PLACEMENT_OFF]])
+        out.update(judged(same, {"placement_worse_than_off": worse, "placement_no_worse_ok": not worse}))
     return out
 
 
@@ -434,15 +437,17 @@ IDEAL_RATIO = 1.0
 def _retention_checks(results: dict[str, Any]) -> dict[str, Any]:
     """#26's state budget on vLLM: dense retention (``STACK_VLLM_DENSE``) against
     stack-vllm's 0, as ratios of the hit rate over all phases and of the prefill
-    instances' cached pages after the plan (``prefill_cache``); empty without it."""
+    instances' cached pages after the plan (``prefill_cache``); empty without it,
+    ``NOT_COMPARABLE`` unless the two are one run."""
     if STACK_VLLM_DENSE not in results or STACK_VLLM not in results:
         return {}
     dense, zero = results[STACK_VLLM_DENSE], results[STACK_VLLM]
     held = [(v.get("prefill_cache") or {}).get("cached_mib") for v in (dense, zero)]
-    return {
+    ratios = {
         "retention_dense_hit_ratio": dense["hit_ratio_all_phases"] / zero["hit_ratio_all_phases"],
         "retention_dense_cached_mib_ratio": held[0] / held[1] if held[0] is not None and held[1] else None,
     }
+    return judged(variants_same_run([dense, zero]), ratios)
 
 
 def plan_ttft_p50(variant: dict[str, Any]) -> float | None:
@@ -458,7 +463,8 @@ def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
     ``stack-vllm-1p1d`` (engine for engine vllm-pd's two), ``stack-vllm-no-tail-stage``
     and ``stack-vllm-no-store`` against ``vllm-pd``: the TTFT p50 ratio per phase (medians of the repeats) and the
     phases where ours is not below; over the whole plan (``plan_ttft_p50``: the
-    workload's TTFT p50); and the phases where ours caches no more (counted requests)."""
+    workload's TTFT p50); and the phases where ours caches no more (counted requests).
+    Each stack's checks read ``NOT_COMPARABLE`` unless it and vllm-pd are one run."""
     if "vllm-pd" not in results:
         return {}
     pd = results["vllm-pd"]["phases"]
@@ -469,17 +475,19 @@ def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
             continue
         key = name.replace("-", "_")
         ours = results[name]["phases"]
-        out[key + "_cached_not_above_vllm_pd"] = sorted(
+        one: dict[str, Any] = {}
+        one[key + "_cached_not_above_vllm_pd"] = sorted(
             p for p, x in ours.items() if p in pd and not x.get("cached_tokens", 0) > pd[p].get("cached_tokens", 0)
         )
         ratios = {p: x["ttft_p50_ms"] / pd[p]["ttft_p50_ms"] for p, x in ours.items() if p in pd}
-        out[key + "_ttft_p50_vs_vllm_pd"] = {p: round(r, 3) for p, r in ratios.items()}
-        out[key + "_ttft_not_below_vllm_pd"] = sorted(p for p, r in ratios.items() if not r < 1.0)
-        out[key + "_ttft_below_vllm_pd"] = not out[key + "_ttft_not_below_vllm_pd"]
+        one[key + "_ttft_p50_vs_vllm_pd"] = {p: round(r, 3) for p, r in ratios.items()}
+        one[key + "_ttft_not_below_vllm_pd"] = sorted(p for p, r in ratios.items() if not r < 1.0)
+        one[key + "_ttft_below_vllm_pd"] = not one[key + "_ttft_not_below_vllm_pd"]
         plan = plan_ttft_p50(results[name])
         if plan is not None and pd_plan:
-            out[key + "_plan_ttft_p50_vs_vllm_pd"] = round(plan / pd_plan, 3)
-            out[key + "_plan_ttft_below_vllm_pd"] = plan < pd_plan
+            one[key + "_plan_ttft_p50_vs_vllm_pd"] = round(plan / pd_plan, 3)
+            one[key + "_plan_ttft_below_vllm_pd"] = plan < pd_plan
+        out.update(judged(variants_same_run([results[name], results["vllm-pd"]]), one))
     return out
 
 
@@ -489,17 +497,17 @@ def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
     on every phase (``stack_vllm_not_above``: the phases where it is not, with
     both ratios; ``stack_vllm_above_vllm_or_ideal`` also counts a phase where
     stack-vllm is at the ideal, which no variant can be above), from one run
-    (``stack_vllm_same_run``, from the provenance); every chat prompt's token count equal to the server's."""
-    from bench.provenance import same_run
-
+    (``stack_vllm_same_run``, from the provenance); every chat prompt's token count equal to the server's.
+    Every check that compares variants reads ``NOT_COMPARABLE`` unless they are one
+    run (one clean commit, one machine, one sitting: ``bench.provenance.same_run``)."""
     out: dict[str, Any] = {"prompt_tokens_match": {k: v["prompt_tokens_match"] for k, v in results.items()}}
     if "branch-aware" in results:
         out.update(_placement_checks(results, bound))
     if "branch-aware" in results and ROUTERS_VARIANT in results:
         # 4 routers sharing the index hit as much as one (#30: within 2 %)
         ratio = results[ROUTERS_VARIANT]["hit_ratio_all_phases"] / results["branch-aware"]["hit_ratio_all_phases"]
-        out["routers_hit_ratio_ratio"] = ratio
-        out["routers_hit_ratio_ok"] = ratio >= 0.98
+        same = variants_same_run([results[ROUTERS_VARIANT], results["branch-aware"]])
+        out.update(judged(same, {"routers_hit_ratio_ratio": ratio, "routers_hit_ratio_ok": ratio >= 0.98}))
     for name, key in (("branch-aware", "branch_aware"), (STACK_VLLM, "stack_vllm")):
         if name in results:
             ratios = {p: x["hit_ratio"] for p, x in results[name]["phases"].items()}
@@ -509,26 +517,27 @@ def checks(results: dict[str, Any], bound: float = 0.9) -> dict[str, Any]:
     theirs = [n for n in VLLM_VARIANTS if n in results]
     if STACK_VLLM in results and theirs:
         ours = results[STACK_VLLM]["phases"]
-        out["stack_vllm_not_above"] = sorted(
+        above: dict[str, Any] = {}
+        above["stack_vllm_not_above"] = sorted(
             "%s: %.3f vs %s %.3f" % (p, x["hit_ratio"], n, results[n]["phases"][p]["hit_ratio"])
             for p, x in ours.items()
             for n in theirs
             if not x["hit_ratio"] > results[n]["phases"][p]["hit_ratio"]
         )
-        out["stack_vllm_above_vllm"] = not out["stack_vllm_not_above"]
+        above["stack_vllm_above_vllm"] = not above["stack_vllm_not_above"]
         # where a baseline already reaches the ideal nothing can be above it: at the ideal too counts
-        out["stack_vllm_not_above_or_ideal"] = sorted(
+        above["stack_vllm_not_above_or_ideal"] = sorted(
             "%s: %.3f vs %s %.3f" % (p, x["hit_ratio"], n, results[n]["phases"][p]["hit_ratio"])
             for p, x in ours.items()
             for n in theirs
             if not (x["hit_ratio"] > results[n]["phases"][p]["hit_ratio"] or x["hit_ratio"] >= IDEAL_RATIO)
         )
-        out["stack_vllm_above_vllm_or_ideal"] = not out["stack_vllm_not_above_or_ideal"]
+        above["stack_vllm_above_vllm_or_ideal"] = not above["stack_vllm_not_above_or_ideal"]
+        same = variants_same_run([results[n] for n in (STACK_VLLM, *theirs)])
+        out.update(judged(same, above))
         out.update(_retention_checks(results))
         out.update(_ttft_checks(results))
-        out["stack_vllm_same_run"] = same_run(
-            [r for n in (STACK_VLLM, *theirs) for r in results[n].get("provenance", [])]
-        )
+        out["stack_vllm_same_run"] = same
     return out
 
 

@@ -109,6 +109,7 @@ def _prov(started: float, commit: str = "c0", dirty: bool = False) -> dict:
         "ended": started + 30.0,
         "load_average_before": [0.5, 0.5, 0.5],
         "load_average_after": [0.6, 0.5, 0.5],
+        "machine": {"cpu": "Test CPU", "cpu_flags": ["avx2"], "machine_id": "m0"},
     }
 
 

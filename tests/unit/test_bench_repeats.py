@@ -80,7 +80,8 @@ def test_measure_variants_interleaves_and_leaves_out_missing_environments() -> N
 
 
 def _rec(started: float, ended: float | None, commit: str = "c", dirty: bool = False) -> dict[str, Any]:
-    return {"commit": commit, "dirty": dirty, "started": started, "ended": ended}
+    machine = {"cpu": "Test CPU", "cpu_flags": ["avx2"], "machine_id": "m0"}
+    return {"commit": commit, "dirty": dirty, "started": started, "ended": ended, "machine": machine}
 
 
 def test_same_run_is_computed_from_times_and_commits() -> None:

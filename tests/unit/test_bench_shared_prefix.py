@@ -173,13 +173,19 @@ def test_summarize_exact() -> None:
     assert b["counted"] == [] and math.isnan(b["hit_ratio"]) and b["hit_ratio_all"] == 0.0
 
 
+#: one machine (bench.provenance.same_run compares only records that name theirs)
+MACHINE = {"cpu": "Test CPU", "cpu_flags": ["avx2"], "machine_id": "m0"}
+#: a record every variant of a test shares: one clean commit, one machine, one sitting
+ONE_RUN = {"commit": "c0", "dirty": False, "started": 0.0, "ended": 60.0, "machine": MACHINE}
+
+
 def test_checks_stack_vllm_against_vllm() -> None:
     """Issue #26: stack-vllm >= 0.9 of the ideal on every phase and above vllm-direct
     and vllm-pd on each, from one run (the provenance's times and commit)."""
     from bench.shared_prefix_run import checks
 
     def variant(ratios: dict[str, float], started: float, commit: str = "c0") -> dict:
-        prov = {"commit": commit, "dirty": False, "started": started, "ended": started + 60.0}
+        prov = {"commit": commit, "dirty": False, "started": started, "ended": started + 60.0, "machine": MACHINE}
         phases = {p: {"hit_ratio": r, "ttft_p50_ms": 50.0} for p, r in ratios.items()}
         return {"phases": phases, "prompt_tokens_match": True, "provenance": [prov]}
 
@@ -212,7 +218,7 @@ def test_ttft_checks_against_vllm_pd() -> None:
 
     def variant(ttfts: dict[str, float]) -> dict:
         phases = {p: {"hit_ratio": 1.0, "ttft_p50_ms": t} for p, t in ttfts.items()}
-        return {"phases": phases, "prompt_tokens_match": True, "provenance": []}
+        return {"phases": phases, "prompt_tokens_match": True, "provenance": [ONE_RUN]}
 
     pd = variant({"fanout_ids": 80.0, "tree_ids": 60.0})
     out = checks({"stack-vllm": variant({"fanout_ids": 40.0, "tree_ids": 60.0}), "vllm-pd": pd})
@@ -233,7 +239,7 @@ def test_the_tail_stage_trade_against_vllm_pd() -> None:
 
     def variant(ttft: dict[str, float], cached: dict[str, int]) -> dict:
         phases = {p: {"hit_ratio": 1.0, "ttft_p50_ms": t, "cached_tokens": cached[p]} for p, t in ttft.items()}
-        return {"phases": phases, "prompt_tokens_match": True, "provenance": []}
+        return {"phases": phases, "prompt_tokens_match": True, "provenance": [ONE_RUN]}
 
     pd = variant({"multiturn_ids": 90.0, "tree_ids": 60.0}, {"multiturn_ids": 784, "tree_ids": 100})
     ours = variant({"multiturn_ids": 95.0, "tree_ids": 50.0}, {"multiturn_ids": 800, "tree_ids": 200})
@@ -254,7 +260,7 @@ def test_plan_ttft_p50_against_vllm_pd() -> None:
     def variant(*repeats: list[float]) -> dict:
         reps = [{"requests": [{"ttft_ms": t} for t in ttfts]} for ttfts in repeats]
         phases = {"fanout_ids": {"hit_ratio": 1.0, "ttft_p50_ms": 1.0}}
-        return {"phases": phases, "repeats": reps, "prompt_tokens_match": True, "provenance": []}
+        return {"phases": phases, "repeats": reps, "prompt_tokens_match": True, "provenance": [ONE_RUN]}
 
     pd = variant([70.0, 80.0, 200.0], [60.0, 90.0, 95.0], [10.0, 85.0, 300.0])  # p50s 80, 90, 85
     assert plan_ttft_p50(pd) == 85.0

@@ -65,7 +65,7 @@ def test_a_dirty_result_is_refused_and_a_clean_one_rendered(tmp_path: Path) -> N
     text = tables.render_block("soak", tmp_path)
     assert "commit aaaaaaa" in text and "load average (1 min) 0.5-0.7" in text and "python 3.11.7" in text
     assert "| requests | 10 ok, 0 failed |" in text
-    assert "- `ok`: holds" in text and "- `equal_to_no_cache_reference`: **MISSED**" in text
+    assert "`ok` holds" in text and "`equal_to_no_cache_reference` **MISSED**" in text
 
 
 def test_missing_file_and_unknown_block(tmp_path: Path) -> None:
@@ -87,8 +87,8 @@ def test_the_promise_run_renders_its_totals_with_provenance(tmp_path: Path) -> N
     out["provenance"] = _prov(False)
     (tmp_path / "vllm_index_promises.json").write_text(json.dumps(out))
     text = tables.render_block("vllm-index-promises", tmp_path)
-    assert "commit aaaaaaa" in text and "| over_promises | 0 |" in text and "| under_promises | 63 |" in text
-    assert "| metric_kept | 97,856 |" in text and "rows" not in text
+    assert "commit aaaaaaa" in text and "| requests | over_promises | under_promises | metric_kept |" in text
+    assert "| 201 | 0 | 63 | 97,856 |" in text and "rows" not in text
     (tmp_path / "vllm_index_promises.json").write_text(json.dumps({**out, "provenance": _prov(True)}))
     with pytest.raises(tables.DirtyResultError):
         tables.render_block("vllm-index-promises", tmp_path)
