@@ -1,8 +1,8 @@
 """The serving path's cost before and after a change, in one sitting: an interleaved
 A/B of ``bench overhead`` and ``bench router`` between a commit and this tree.
 
-    hybridpd bench ab --before bc86c2e [--runs 2] [--repeats 2]   # run, then summarize
-    hybridpd bench ab                                               # summarize the runs kept
+    hybridpd bench ab --before REV [--runs 2] [--repeats 2]   # run, then summarize
+    hybridpd bench ab                                           # summarize the runs kept
 
 Each side runs its own code: ``before`` from a temporary ``git worktree`` of the
 commit (its code first on ``PYTHONPATH`` and as the working directory, so the

@@ -1,11 +1,12 @@
 """EAGLE's decode speedup before and after a change: an interleaved A/B of ``bench eagle``.
 
-    hybridpd bench eagle-ab --before 7bcf4b0 [--runs 8]   # run, then summarize
-    hybridpd bench eagle-ab                                # summarize the committed runs
+    hybridpd bench eagle-ab --before REV [--runs 8]   # run, then summarize
+    hybridpd bench eagle-ab                            # summarize the committed runs
 
 A single ``bench eagle`` run cannot say whether a change made the speedup lower:
 on a shared 2-core machine one repeat's paired ratio (EAGLE tokens/s over plain
-tokens/s, timed back to back) ranges 1.4-3.4 at batch 1. So the two commits run
+tokens/s, timed back to back) varies more than the changes it should detect. So
+the two commits run
 in turn, in ABBA order, ``--runs`` times each, every run a whole ``bench
 eagle`` (its own repeats and provenance) written as ``<runs-dir>/before_<i>.json``
 / ``after_<i>.json``: load that drifts over the sitting falls on both sides

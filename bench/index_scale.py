@@ -33,8 +33,8 @@ with the ingester alone.
 
 Encodings (item 2 of #30): the same content at ``encoding_level`` is loaded
 into fresh servers in each encoding and their memory compared: today's (a set
-per instance, 32-byte members), the hashes used until 2026-12 (a field per
-block with the value ``1``), today's sets with members cut to 16 bytes (not
+per instance, 32-byte members), a hash per instance (a field per block with
+the value ``1``, the encoding the sets replaced), today's sets with members cut to 16 bytes (not
 exact: shown for scale), and one string key per block holding a 64-bit bitmap
 of its holders.
 

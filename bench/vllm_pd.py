@@ -49,10 +49,10 @@ it pulled over NIXL count as "computed" there). :data:`PREFILL_CACHED_HEADER`
 carries the prefill response's own usage figure beside it, so a test can check
 the two agree (tests/vllm/test_vllm_pd.py does).
 
-Two deviations from ``vllm serve`` as it ships, both for this small CPU
-machine (our ``--engine vllm`` stack turns the progress thread off too, and
-runs each engine on one thread). With neither, the first request (40 tokens)
-took 53 s here and the second (700 tokens) did not finish in 4 minutes.
+Two deviations from ``vllm serve`` as it ships, both for small CPU machines
+(our ``--engine vllm`` stack turns the progress thread off too, and runs each
+engine on one thread); without them the servers' prefills stall on two cores.
+How ``vllm-pd`` runs as shipped is not measured (bench/README.md).
 
 * **NIXL's progress thread is off** (``hybridpd.engine.vllm.patches.
   nixl_without_progress_thread``): vLLM creates its NIXL agent with the UCX
@@ -71,10 +71,10 @@ took 53 s here and the second (700 tokens) did not finish in 4 minutes.
   ``VLLM_CPU_OMP_THREADS_BIND``; one core each here), as P/D gives prefill and
   decode their own devices; ``vllm-direct`` binds all of them (vLLM's
   ``auto``), our stack's engines run one thread each. Left to ``auto``, both
-  servers bind OpenMP threads to the same cores, and on this CPU (no
-  AVX512-BF16, so vLLM's GDN prefill falls back to torch's bf16 depthwise
-  ``conv1d``, one OpenMP region per channel) a 1,024-channel, 700-token conv
-  took 3.8 s with 2 threads on the loaded machine against 11 ms with one.
+  servers bind OpenMP threads to the same cores, and on a CPU without
+  AVX512-BF16 vLLM's GDN prefill falls back to torch's bf16 depthwise
+  ``conv1d``, one OpenMP region per channel, which oversubscribed threads slow
+  by orders of magnitude.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Typed errors, and the one place that maps them to HTTP and gRPC status.
 
 Expected "no space" conditions return ``None``; misuse and failures raise a
-subclass of :class:`HybridPDError`. Servers never pick status codes
-themselves: they call :func:`http_status` / :func:`grpc_code`.
+subclass of :class:`HybridPDError`. Servers take statuses from
+:func:`http_status` / :func:`grpc_code`; only the HTTP server's own framing
+(body size, body validation, unexpected exceptions, and the 401 of its API-key
+middleware) is answered in ``services/router/openai_api.py``.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ int objects, or an int32/uint32/int64 buffer), encodes each block's ids
 where the CPU has it, else branch-free scalar code), splices the fixed CBOR
 framing around them and hashes with the CPU's SHA extensions where it has them.
 A list is read a few ids at a time between SHA-256 compressions, holding the
-GIL throughout (~0.75 ms at 164K tokens; SHA-256 itself is ~0.55 ms of it);
-buffers are hashed without the GIL.
+GIL throughout (SHA-256 itself is most of that time); buffers are hashed
+without the GIL (``bench.hashing`` times both against vLLM's hasher).
 Otherwise (``xxhash_cbor``, an old build, no SHA-NI) we encode all blocks at
 once (the C helper, or numpy when it is not built) and hash with one
 ``hashlib``/``xxhash`` call per block. Property tests check byte equality with

@@ -38,10 +38,10 @@ first absent block, so holes anywhere in a chain are handled exactly (tests
 compare with a brute-force reference) and a short hit costs a short scan.
 
 Instance entries are sets (Redis >= 6.2 for SMISMEMBER), not hashes: a set
-member carries no value, 20 % less memory per membership at the same exact
-lookup (``bench index-scale`` measures the encodings side by side; the keys
-were renamed from ``lkv``/``lst`` with the type, so a rolling upgrade never
-meets a hash where it expects a set). Small sets in Redis 7.2+ are listpacks
+member carries no value, so it costs less memory per membership at the same
+exact lookup (``bench index-scale`` compares the encodings side by side). The
+keys are named ``ikv``/``ist``, not the hashes' ``lkv``/``lst``, so a rolling
+upgrade never meets a hash where it expects a set. Small sets in Redis 7.2+ are listpacks
 up to ``set-max-listpack-entries`` (128) members: a scan that short costs
 less than a probe of a hash table.
 """

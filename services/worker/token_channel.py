@@ -1,8 +1,8 @@
 """Decode tokens to the router over ZMQ, not one Ray object per token.
 
-A Ray streaming generator costs about a millisecond of CPU per item on each
-side (measured: ``bench/README.md``, the token channel); on a decode actor that
-is CPU the engine's step loses, once per token. With ``token_channel: zmq`` the
+A Ray streaming generator costs CPU per item on each side (about a
+millisecond, by hand: docs/DESIGN.md section 3); on a decode actor that is CPU
+the engine's step loses, once per token. With ``token_channel: zmq`` the
 router binds one PULL socket (:class:`TokenSink`) and each decode actor keeps
 one PUSH socket per router (:class:`TokenSender`). ``DecodeWorker.generate``
 is still the request's Ray call (a streaming generator), but it carries only

@@ -1,13 +1,12 @@
 """Numeric building blocks, written for exactness across execution paths.
 
-NOTE (measured with torch 2.13 CPU / MKL 2024.2 on Intel Xeon, Sapphire
-Rapids: AVX-512, AMX-BF16, AVX512-BF16; 1 and 2 threads): in fp32 a matmul
-row's result is bit-identical for every M >= 16 rows and every row slot, but
-M < 16 takes other kernels and differs by ~1e-5. :func:`rows_mm` therefore
-pads to 16 rows, so a token's numbers never depend on how many other tokens
-share its batch, chunk or step (batch invariance, checked by tests). In bf16
-the same machine does NOT have the property (oneDNN's AMX kernels differ
-with M by ~1e-5), so bf16 paths are compared with a tolerance.
+NOTE: with torch's CPU kernels (MKL) an fp32 matmul row's result is
+bit-identical for every M >= 16 rows and every row slot, but M < 16 takes
+other kernels and differs in the last bits. :func:`rows_mm` therefore pads to
+16 rows, so a token's numbers never depend on how many other tokens share its
+batch, chunk or step (batch invariance, checked by tests). bf16 does NOT have
+the property (oneDNN's AMX kernels differ with M), so bf16 paths are compared
+with a tolerance.
 :func:`row_invariance_problem` checks the property on the machine at hand:
 the exactness tests (equal greedy tokens, logits within 1e-4 or
 ``torch.equal``, as each says) run only where it holds (else they skip,
