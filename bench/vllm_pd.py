@@ -57,7 +57,7 @@ How ``vllm-pd`` runs as shipped is not measured (bench/README.md).
 * **NIXL's progress thread is off** (``hybridpd.engine.vllm.patches.
   nixl_without_progress_thread``): vLLM creates its NIXL agent with the UCX
   progress thread, which NIXL's Python API runs with no delay, a free spin of
-  one core per engine (bench/README.md, "Idle actors"); two engines spin both
+  one core per engine (docs/DESIGN.md section 3, the handoff); two engines spin both
   cores here. Nothing is lost without it: vLLM's scheduler keeps stepping an
   engine while a finished request's blocks wait for the remote read
   (``Scheduler.has_finished_requests``: requests held for delayed connector
