@@ -10,7 +10,8 @@ foreground request arrives, the running background one is aborted in vLLM and
 put back at the head of the queue (``preempted``). It runs again from what
 vLLM cached meanwhile (its full blocks). Each try runs under its own vLLM
 request id (``<id>::bg<n>``), so nothing of an aborted try is mistaken for
-the next one.
+the next one. A try samples plainly (one greedy token no one reads:
+``sampling.py``), whatever its request's sampling says.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ ticket (``VllmTicket``) carries no buffers of ours but vLLM's ``kv_transfer_para
   vLLM's connector pulls KV and state from the prefill engine over NIXL and
   decode produces every output token, the first included.
 
+So decode owns all sampling: penalties, logit bias, bad words, ``min_tokens``,
+grammars and logprobs go to vLLM on decode (and on a local engine) only; the
+prefill, checkpoint prefixes and background requests sample one plain greedy
+token no one reads (``sampling.py``).
+
 Token ids in, token ids out: the router tokenizes (the tokenizer files are in
 the model directory, so both sides tokenize identically).
 
@@ -59,6 +64,7 @@ from hybridpd.engine.base import (
     RequestOutput,
     SpecStats,
     StateCheckpoint,
+    TokenLogprobs,
 )
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
 from hybridpd.engine.vllm.background import BackgroundQueue
@@ -69,7 +75,8 @@ from hybridpd.engine.vllm.patches import (
     one_gloo_device,
     store_puts_to_own_segment,
 )
-from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
+from hybridpd.engine.vllm.sampling import token_logprobs, vllm_sampling
+from hybridpd.engine.vllm.stages import PLAIN, TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
 from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
 from hybridpd.procs import listen_ports
@@ -93,6 +100,14 @@ SEND_HOLD_S = 1.0
 #: how often an engine with nothing to compute polls its connector: within ``SEND_HOLD_S`` of a
 #: handoff (decode's read waits on it), and later (an unread handoff waits for vLLM's timeout)
 SEND_POLL_S, IDLE_POLL_S = 0.001, 0.005
+#: vLLM's finish reasons as ours: "error" (a grammar that did not compile, a failed KV load
+#: under the fail policy) ends the request as aborted; "repetition" (not asked for) as stopped
+_FINISH_REASONS = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "error": FinishReason.ABORT,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,30 +288,42 @@ class VllmEngine:
         return n - self.prefill_backoff if prefill_only and n > self.prefill_backoff else n
 
     # -- requests ----------------------------------------------------------------------
-    def _sampling(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> Any:
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
+    def _submit(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, *, full: bool) -> None:
+        """Hand ``req`` to vLLM: ``full`` with every sampling field (local and decode
+        requests), else plain (a P/D prefill, a checkpoint prefix, a background try:
+        ``sampling.py``). vLLM's refusal of a request is ours (InvalidRequestError)."""
+        from vllm.exceptions import VLLMClientError
 
-        sp = req.sampling
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=sp.temperature,
-            top_p=sp.top_p,
-            top_k=sp.top_k if sp.top_k > 0 else 0,
-            seed=sp.seed,
-            stop_token_ids=list(sp.stop_token_ids),
-            ignore_eos=sp.ignore_eos,
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-            extra_args={"kv_transfer_params": transfer} if transfer is not None else None,
-        )
-
-    def _submit(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None) -> None:
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
-        internal = self.engine.add_request(req.request_id, prompt, self._sampling(req, max_tokens, transfer))
+        try:
+            internal = self.engine.add_request(
+                req.request_id, prompt, vllm_sampling(req.sampling, max_tokens, transfer, full=full)
+            )
+        except VLLMClientError as e:
+            raise InvalidRequestError(str(e)) from e
         if self.stages.is_prefix(req.request_id):  # released once its checkpoint is written
             self._prefixes[req.request_id] = (str(internal), len(req.prompt_token_ids))
+
+    def _check_sampling(self, request: EngineRequest) -> None:
+        """Refuse on a P/D prefill what decode would refuse of ``request``'s sampling
+        (vLLM's own checks: ranges, token ids, the grammar's syntax), before any prompt
+        token is computed (and on a local engine before its checkpoint prefixes); the
+        prefill itself samples plainly. A prefill cannot check what only decode's
+        configuration refuses (vLLM refuses ``logit_bias`` with speculative decoding)."""
+        sp = request.sampling
+        if not (sp.processes_logits or sp.structured is not None or sp.logprobs is not None):
+            return
+        from vllm.exceptions import VLLMClientError
+
+        config = self.engine.vllm_config
+        try:
+            full = vllm_sampling(sp, sp.max_tokens, None, full=True)
+            spec = config.speculative_config if self.role != "prefill" else None  # decode's is not known here
+            full.verify(config.model_config, spec, config.structured_outputs_config, self.engine.get_tokenizer())
+        except VLLMClientError as e:
+            raise InvalidRequestError(str(e)) from e
 
     def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
         """Queue ``request``; ``prefill_only`` stops after the first token and keeps
@@ -315,8 +342,10 @@ class VllmEngine:
             return
         transfer = {"do_remote_decode": True, "do_remote_prefill": False} if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
-        self._register(request)
         stages = self._stages(request, prefill_only)
+        if prefill_only or stages:  # vLLM sees its full sampling only on decode, or after the prefixes
+            self._check_sampling(request)
+        self._register(request)
         tail = self._tail_stage(request, prefill_only)
         # the store lookup (a round trip to the store's master) only where staging needs it: a
         # tail stage runs in the background, where vLLM's own lookup loads what the store holds
@@ -327,9 +356,9 @@ class VllmEngine:
         first = self.stages.start(request, tuple((p, n) for p, n in stages if p > hit))
         try:
             if first is not None:
-                self._submit(first, 1, None)
+                self._submit(first, 1, None, full=False)
             else:
-                self._submit(request, max_tokens, transfer)
+                self._submit(request, max_tokens, transfer, full=not prefill_only)
         except Exception:
             self.stages.abort(request.request_id)
             raise
@@ -351,7 +380,7 @@ class VllmEngine:
         if nxt is None:
             return
         try:
-            self._submit(nxt, nxt.sampling.max_tokens, None)
+            self._submit(nxt, nxt.sampling.max_tokens, None, full=False)  # no one reads its token
         except Exception:
             running = self.background.running
             self.background.finished()
@@ -426,12 +455,11 @@ class VllmEngine:
         if found is None:
             return None
         position, length = found
-        sampling = replace(request.sampling, max_tokens=1, stop_token_ids=(), ignore_eos=True)
         prefix = replace(
             request,
             request_id=RequestId(request.request_id + TAIL_SUFFIX),
             prompt_token_ids=request.prompt_token_ids[:length],
-            sampling=sampling,
+            sampling=PLAIN,
             checkpoints=(),
             placement=(),
             background=True,
@@ -446,11 +474,12 @@ class VllmEngine:
         main = self.stages.owner.get(nxt.request_id, nxt.request_id)
         try:
             if self.stages.is_prefix(nxt.request_id):
-                self._submit(nxt, 1, None)
+                self._submit(nxt, 1, None, full=False)
                 return
             live = self.live[nxt.request_id]
             transfer = {"do_remote_decode": True, "do_remote_prefill": False} if live.prefill_only else None
-            self._submit(nxt, 1 if live.prefill_only else nxt.sampling.max_tokens, transfer)
+            max_tokens = 1 if live.prefill_only else nxt.sampling.max_tokens
+            self._submit(nxt, max_tokens, transfer, full=not live.prefill_only)
         except Exception:
             self.stages.abort(main)
             self._fail(main)
@@ -474,7 +503,7 @@ class VllmEngine:
         ticket = self.fetch_handoff(request, ticket)
         if request.request_id in self.live:
             raise InvalidRequestError("duplicate request id %s" % request.request_id)
-        self._submit(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params))
+        self._submit(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params), full=True)
         self.live[request.request_id] = _Live(request, False, handoff=ticket)
 
     def abort(self, request_id: RequestId | str) -> bool:
@@ -504,11 +533,14 @@ class VllmEngine:
     # -- stepping ----------------------------------------------------------------------
     @staticmethod
     def _output(
-        req: EngineRequest, tokens: tuple[int, ...], finished: bool, reason: FinishReason | None, cached: int
+        req: EngineRequest,
+        tokens: tuple[int, ...],
+        finished: bool,
+        reason: FinishReason | None,
+        cached: int,
+        logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> RequestOutput:
-        return RequestOutput(
-            req.request_id, tokens, finished, reason, len(req.prompt_token_ids), num_cached_tokens=cached
-        )
+        return RequestOutput(req.request_id, tokens, finished, reason, len(req.prompt_token_ids), cached, logprobs)
 
     def step(self) -> list[RequestOutput]:
         outputs, self.pending = self.pending, []
@@ -537,11 +569,11 @@ class VllmEngine:
                 cached = self.background.reported_hit(rid, cached, out.finished)
             if live.handoff is not None:
                 cached = live.handoff.num_cached_tokens
-            reason = None
-            if out.finished:
-                reason = FinishReason.STOP if comp.finish_reason == "stop" else FinishReason.LENGTH
-                if comp.finish_reason == "abort":
-                    reason = FinishReason.ABORT
+            reason = _FINISH_REASONS.get(str(comp.finish_reason), FinishReason.STOP) if out.finished else None
+            logprobs = None
+            k = live.request.sampling.logprobs
+            if k is not None and comp.logprobs is not None and not live.prefill_only and not background:
+                logprobs = token_logprobs(tokens, comp.logprobs, k)  # vLLM's, of a request sampled in full
             if live.prefill_only and out.finished:
                 params = out.kv_transfer_params or {}
                 if params:  # handed off: finished here, not for the client
@@ -549,7 +581,7 @@ class VllmEngine:
                     self._handed_at = time.monotonic()
                     reason = None
                 tokens = ()  # not an output token (see the module docstring)
-            outputs.append(self._output(live.request, tokens, out.finished, reason, cached))
+            outputs.append(self._output(live.request, tokens, out.finished, reason, cached, logprobs))
             if out.finished:
                 del self.live[rid]
         self._release_prefixes()

@@ -22,7 +22,9 @@ no attention hit for it. A prefix's tail survives: the prompt that continues
 from it copies the partial block (vLLM's partial-hit copy-on-write) and the
 cached block stays as it was. The cost: one engine step per checkpoint (a
 chunk split costs the step too; ``u`` extra tokens with EAGLE); a prefix that is
-cached already costs its one token.
+cached already costs its one token. A prefix samples plainly (``PLAIN``):
+its token is never reported, so the request's penalties, bias, grammar and
+logprobs would be wasted work (``sampling.py``).
 
 Usage reported for the prompt counts only what was cached before it arrived:
 a prefix that computed more than its one probe token ends the hit
@@ -33,12 +35,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from hybridpd.engine.base import EngineRequest, RequestId
+from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 
 #: a prefix request's id is the prompt's id plus this and the checkpoint position
 STAGE_SEPARATOR = "::stage@"
 #: the background prefix that leaves a P/D prompt's own tail: the prompt's id plus this
 TAIL_SUFFIX = "::tail"
+#: what a prefix samples: one greedy token, never reported (no penalties, bias, grammar or
+#: logprobs: the prompt's own sampling is decode's, or the prompt's once the prefixes ran)
+PLAIN = SamplingParams(max_tokens=1, ignore_eos=True)
 #: tail stages wait behind at most this many background requests (under steady load
 #: they would never run: a later prompt's own tail supersedes an old one's anyway)
 TAIL_QUEUE_LIMIT = 64
@@ -100,8 +105,7 @@ class Stages:
         self.owner[rid] = staging.request.request_id
         self.prefixes_run += 1
         prefix = staging.request.prompt_token_ids[:length]
-        sampling = replace(staging.request.sampling, max_tokens=1, stop_token_ids=(), ignore_eos=True)
-        return replace(staging.request, request_id=RequestId(rid), prompt_token_ids=prefix, sampling=sampling)
+        return replace(staging.request, request_id=RequestId(rid), prompt_token_ids=prefix, sampling=PLAIN)
 
     def is_prefix(self, request_id: str) -> bool:
         return request_id in self.owner
