@@ -178,11 +178,14 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
     """vLLM 0.32: every feature through its own SamplingParams (decode samples every
     output token, so penalties, bias and grammars hold across P/D); its NixlConnector
     truncates a hybrid P/D prefill by one token; an EAGLE-family drafter (decode only)
-    drops its last cached block; checkpoints besides the tail are staged prefixes."""
+    drops its last cached block; checkpoints besides the tail are staged prefixes.
+    With speculative decoding vLLM refuses ``min_p`` and ``logit_bias``
+    (``SamplingParams._validate_spec_decode``): so does the profile, before the prefill."""
     u = cfg.prefix_match_unit
+    spec_refused = {Feature.MIN_P, Feature.LOGIT_BIAS} if cfg.eagle else set()
     return EngineProfile(
         name="vllm",
-        features=frozenset(Feature),
+        features=frozenset(Feature) - spec_refused,
         geometry=CheckpointGeometry(u, u, u),
         prefill_backoff=1,  # VllmEngine.prefill_backoff (tests/vllm/test_index_truth.py checks it)
         eagle_drop_prefill=False,  # a P/D prefill engine runs no drafter (module docstring)
@@ -213,12 +216,15 @@ def support_table(cfg: HybridPDConfig | None = None) -> str:
     from hybridpd.config import load_config  # NOTE: lazy: config.py imports this module
 
     cfg = cfg or load_config(env={})
-    profiles = [make(cfg) for make in PROFILES.values()]
     rows = ["| engine | honoured | refused with a 400 naming the field |", "|---|---|---|"]
-    for p in profiles:
-        yes = ", ".join(doc for f, doc in FEATURE_DOCS.items() if p.supports(f))
-        no = ", ".join(doc for f, doc in FEATURE_DOCS.items() if not p.supports(f)) or "none"
-        rows.append("| `--engine %s` | %s | %s |" % (p.name, yes, no))
+    for make in PROFILES.values():
+        plain = make(cfg)
+        for p, flag in ((plain, ""), (make(cfg.model_copy(update={"eagle": True})), " --eagle")):
+            if flag and p.features == plain.features:
+                continue
+            yes = ", ".join(doc for f, doc in FEATURE_DOCS.items() if p.supports(f))
+            no = ", ".join(doc for f, doc in FEATURE_DOCS.items() if not p.supports(f)) or "none"
+            rows.append("| `--engine %s%s` | %s | %s |" % (p.name, flag, yes, no))
     rows.append("| every engine (the router) | %s | |" % ", ".join(ROUTER_FEATURES))
     return "\n".join(rows)
 

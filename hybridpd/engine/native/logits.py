@@ -42,9 +42,9 @@ def process(
     for tok, bias in sp.logit_bias:
         if 0 <= tok < vocab:
             x[tok] += bias
-    if len(output) < sp.min_tokens:
+    if len(output) < sp.min_tokens:  # EOS too, even with ignore_eos (vLLM's all_stop_token_ids)
         stops = set(sp.stop_token_ids)
-        if eos_token_id is not None and not sp.ignore_eos:
+        if eos_token_id is not None:
             stops.add(eos_token_id)
         for tok in stops:
             if 0 <= tok < vocab:
