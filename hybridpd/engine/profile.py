@@ -140,6 +140,10 @@ class EngineProfile:
     #: cpu where both roles share a machine (``actor_placement: any``), as ``vllm serve``
     #: binds its CPU engines
     auto_cpu_split: bool
+    #: the router adds the tokenizer's end-of-turn ids (its ``stop_tokens``) to every request's
+    #: stop ids; False: the engine stops where its own server does (vLLM: EOS and the model's
+    #: ``generation_config`` ids, which also end a grammar)
+    tokenizer_stop_ids: bool = True
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -198,6 +202,7 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
         default_dtype="bfloat16" if cfg.device == "cpu" else "auto",
         speculative_methods=frozenset({"eagle", "eagle3", "mtp"}),
         auto_cpu_split=True,
+        tokenizer_stop_ids=False,
     )
 
 

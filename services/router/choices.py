@@ -20,6 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from hybridpd.engine.base import EngineRequest, RequestId
+from hybridpd.errors import InvalidRequestError
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions
 from services.router.request_builder import Built
@@ -36,7 +37,11 @@ class Choice:
 
 
 def expand(builts: list[Built], n: int) -> list[Choice]:
-    """``n`` choices per built prompt, with their own ids and seeds (module docstring)."""
+    """``n`` choices per built prompt, with their own ids and seeds (module docstring).
+    InvalidRequestError for ``n`` > 1 with greedy sampling, as vLLM's server refuses it
+    (its choices would all be the same)."""
+    if n > 1 and any(b.request.sampling.temperature <= 0.0 for b in builts):
+        raise InvalidRequestError("n must be 1 when using greedy sampling, got %d." % n)
     if len(builts) == 1 and n == 1:
         return [Choice(0, builts[0])]
     out: list[Choice] = []

@@ -165,15 +165,18 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
         checkpoints, boundaries, plan = [], (), None  # positions of the untruncated prompt mean nothing
     s = api.sampling
     max_tokens = s.max_tokens if s.max_tokens is not None else max(1, min(default_max, cfg.max_model_len - len(tokens)))
-    sp = sampling_params(s, max_tokens, tok)
+    sp = sampling_params(s, max_tokens, tok, profile.tokenizer_stop_ids)
     check_features(sp, profile)
     req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
     return Built(req, plan, boundaries)
 
 
-def sampling_params(s: Sampling, max_tokens: int, tok: TextTokenizer) -> SamplingParams:
-    """The engine's sampling parameters for what the client asked."""
-    stops = tuple(dict.fromkeys((*s.stop_token_ids, *(() if s.ignore_eos else tok.stop_token_ids))))
+def sampling_params(s: Sampling, max_tokens: int, tok: TextTokenizer, end_of_turn: bool = True) -> SamplingParams:
+    """The engine's sampling parameters for what the client asked; ``end_of_turn``: the
+    tokenizer's end-of-turn ids stop it too (unless ``ignore_eos``; the engine profile's
+    ``tokenizer_stop_ids``: vLLM stops where ``vllm serve`` does instead)."""
+    eot = tok.stop_token_ids if end_of_turn and not s.ignore_eos else ()
+    stops = tuple(dict.fromkeys((*s.stop_token_ids, *eot)))
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=s.temperature,

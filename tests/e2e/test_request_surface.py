@@ -99,16 +99,18 @@ def test_every_honoured_field_changes_the_output(stack: Stack) -> None:
 def test_n_choices_share_the_prompt(stack: Stack) -> None:
     long = list(range(300, 300 + 100))
     before = sum(s.get("prefill_computed_tokens", 0) for s in stack.stats().values())
-    out = _complete(stack, prompt=long, n=3, max_tokens=6)
+    out = _complete(stack, prompt=long, n=3, max_tokens=6, temperature=1.0, seed=7)
     after = sum(s.get("prefill_computed_tokens", 0) for s in stack.stats().values())
     choices = out["choices"]
     assert [c["index"] for c in choices] == [0, 1, 2]
-    assert choices[0]["token_ids"] == choices[1]["token_ids"] == choices[2]["token_ids"]  # greedy
     # the prompt is computed once: each sibling computes only its tail after the prompt's checkpoint
     assert after - before <= len(long) + 2 * 16, (before, after)
     assert out["usage"]["prompt_tokens"] == len(long) and out["usage"]["completion_tokens"] == 18
-    sampled = _complete(stack, prompt=long, n=3, max_tokens=6, temperature=1.0, seed=7)["choices"]
-    assert len({tuple(c["token_ids"]) for c in sampled}) > 1  # siblings get seed + j
+    for j, c in enumerate(choices):  # sibling j samples with seed + j, as vLLM's n does
+        alone = _choice(stack, prompt=long, max_tokens=6, temperature=1.0, seed=7 + j)
+        assert c["token_ids"] == alone["token_ids"], j
+    greedy = _post(stack, "/v1/completions", {"model": "tiny", "prompt": "x", "n": 2, "temperature": 0})
+    assert greedy.status_code == 400 and "n must be 1" in greedy.json()["error"]["message"]
     # a batch of prompts: each choice as that prompt alone
     batch = _complete(stack, prompt=[PROMPT, "The delta rule"], max_tokens=6)["choices"]
     assert [c["index"] for c in batch] == [0, 1]
@@ -240,14 +242,18 @@ def test_grpc_takes_the_same_surface(stack: Stack) -> None:
 
     stub = pb_grpc.GenerationStub(grpc.insecure_channel(stack.grpc))
     http = _choice(stack, max_tokens=8, logprobs=2, frequency_penalty=1.5)
-    sp = pb.SamplingParams(max_tokens=8, logprobs=2, frequency_penalty=1.5, n=2)
+    sp = pb.SamplingParams(max_tokens=8, logprobs=2, frequency_penalty=1.5)
     msgs = list(stub.Generate(pb.GenerateRequest(model="tiny", text=PROMPT, sampling=sp), timeout=120))
+    assert [t for m in msgs for t in m.token_ids] == http["token_ids"]
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert [round(lp.logprob, 4) for lp in lps] == [round(v, 4) for v in http["logprobs"]["token_logprobs"]]
+    assert all(len(lp.top) == 2 and lp.rank == 1 for lp in lps)
+    # n: each choice streams with its index; choice j samples with seed + j
+    two = pb.SamplingParams(max_tokens=6, temperature=1.0, seed=5, has_seed=True, n=2)
+    msgs = list(stub.Generate(pb.GenerateRequest(model="tiny", text=PROMPT, sampling=two), timeout=120))
     for index in (0, 1):
-        mine = [m for m in msgs if m.index == index]
-        assert [t for m in mine for t in m.token_ids] == http["token_ids"]
-        lps = [lp for m in mine for lp in m.logprobs]
-        assert [round(lp.logprob, 4) for lp in lps] == [round(v, 4) for v in http["logprobs"]["token_logprobs"]]
-        assert all(len(lp.top) == 2 and lp.rank == 1 for lp in lps)
+        alone = _choice(stack, max_tokens=6, temperature=1.0, seed=5 + index)["token_ids"]
+        assert [t for m in msgs if m.index == index for t in m.token_ids] == alone
     ids = http["token_ids"]
     stop = pb.SamplingParams(max_tokens=8, stop_token_ids=[ids[2]], frequency_penalty=1.5)
     last = list(stub.Generate(pb.GenerateRequest(model="tiny", text=PROMPT, sampling=stop), timeout=120))[-1]

@@ -190,7 +190,9 @@ def test_every_sampling_field_reaches_the_engine_request() -> None:
     sp = build(_api(token_ids=tuple(range(10, 40)), sampling=s), orch, "tiny").request.sampling
     assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, 0.25, 1.2)
     assert sp.logit_bias == ((3, -1.0), (7, 1.0)) and sp.min_tokens == 2 and sp.min_p == 0.1 and sp.seed == 5
-    assert sp.stop_token_ids[0] == 9 and set(TOK.stop_token_ids) <= set(sp.stop_token_ids)
+    assert sp.stop_token_ids == (9,)  # vLLM adds EOS and generation_config's ids itself, as vllm serve does
+    native = build(_api(token_ids=tuple(range(10, 40)), sampling=Sampling(stop_token_ids=(9,))), _orch(), "tiny")
+    assert native.request.sampling.stop_token_ids == (9, *TOK.stop_token_ids)
     assert sp.bad_words[0] == tuple(TOK.encode("hello")) and sp.allowed_token_ids == (11, 12)
     assert sp.logprobs == 3 and sp.structured == StructuredOutput(regex="[0-9]+")
     with pytest.raises(InvalidRequestError, match=r"response_format / structured_outputs.*native"):
