@@ -253,12 +253,16 @@ async def _generate(
     n = body.choices
     lp = LogprobOptions(first.sampling.logprobs, bool(body.return_tokens_as_token_ids))
     model = body.model or st.served_model
-    writer = ResponseWriter(kind, st.orch.tokenizer, oid, created, model, lp, bool(body.return_token_ids), echo)
+    choices = expand(builts, n)
+    prompts = {c.index: c.built.request.prompt_token_ids for c in choices}
+    writer = ResponseWriter(
+        kind, st.orch.tokenizer, oid, created, model, lp, bool(body.return_token_ids), echo, prompts
+    )
     client_stops = tuple(body.stop_token_ids or ())
     opts = OutputOptions(
         body.stop_list(), body.include_stop_str_in_output, body.min_tokens, body.skip_special_tokens, client_stops
     )
-    events = serve(st.orch, expand(builts, n), kind, body.hybridpd_prefill_instance, opts)
+    events = serve(st.orch, choices, kind, body.hybridpd_prefill_instance, opts)
     if body.stream:
         head = await anext(events)  # errors before the first token become a proper HTTP status
         return StreamingResponse(_sse(head, events, writer, body, n), media_type="text/event-stream")

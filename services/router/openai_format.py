@@ -61,11 +61,15 @@ class ResponseWriter:
         logprobs: LogprobOptions,
         return_token_ids: bool,
         echo: dict[int, str] | None = None,
+        prompts: dict[int, tuple[int, ...]] | None = None,
     ) -> None:
         self.kind, self.tok, self.oid, self.created, self.model = kind, tok, oid, created, model
         self.lp = logprobs
         self.return_token_ids = return_token_ids
-        self.echo = echo or {}
+        #: choice -> the text echoed before it (vLLM: none when the ids are returned instead)
+        self.echo = {} if return_token_ids and kind == "completions" else (echo or {})
+        #: choice -> its prompt's ids (``return_token_ids``: completions per choice, chat once)
+        self.prompts = prompts or {}
         self.state: dict[int, _ChoiceState] = {}
 
     # -- pieces -----------------------------------------------------------------------
@@ -139,10 +143,23 @@ class ResponseWriter:
             choice["text"] = text
             if lps is not None:
                 choice["logprobs"] = self._completion_logprobs(st, ev.token_ids, lps)
+        out: dict[str, Any] = {"id": self.oid, "created": self.created, "model": self.model, "choices": [choice]}
+        out["object"] = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
         if self.return_token_ids:
             choice["token_ids"] = list(ev.token_ids)
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {"id": self.oid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+            if first:  # vLLM: the prompt's ids with a choice's first chunk (chat: the response's first)
+                self._prompt_ids(out, choice, index, once=index == min(self.prompts, default=index))
+        return out
+
+    def _prompt_ids(self, out: dict[str, Any], choice: dict[str, Any], index: int, once: bool) -> None:
+        ids = self.prompts.get(index)
+        if ids is None:
+            return
+        if self.kind == "chat":
+            if once:
+                out["prompt_token_ids"] = list(ids)
+        else:
+            choice["prompt_token_ids"] = list(ids)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -172,7 +189,8 @@ class ResponseWriter:
 
     def body(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The whole response, every choice by index."""
-        choices = []
+        choices: list[dict[str, Any]] = []
+        extra: dict[str, Any] = {}
         for index in sorted(self.state):
             st = self.state[index]
             last = st.last
@@ -193,6 +211,7 @@ class ResponseWriter:
                     choice["logprobs"] = st.completion
             if self.return_token_ids:
                 choice["token_ids"] = st.ids
+                self._prompt_ids(extra, choice, index, once=not choices)
             choices.append(choice)
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {
@@ -202,6 +221,7 @@ class ResponseWriter:
             "model": self.model,
             "choices": choices,
             "usage": usage,
+            **extra,
         }
 
 

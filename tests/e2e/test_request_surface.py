@@ -147,8 +147,11 @@ def test_logprobs_on_both_endpoints(stack: Stack) -> None:
 
 
 def test_echo(stack: Stack) -> None:
-    ch = _choice(stack, echo=True, max_tokens=4)
+    ch = _choice(stack, echo=True, max_tokens=4, return_token_ids=False)
     assert ch["text"] == PROMPT + _choice(stack, max_tokens=4)["text"]
+    # vLLM's rule: with return_token_ids the prompt comes back as ids, not echoed text
+    ids = _choice(stack, echo=True, max_tokens=4)
+    assert ids["text"] == _choice(stack, max_tokens=4)["text"] and ids["prompt_token_ids"] == _ids(stack, PROMPT)
     first = ""
     with httpx.stream(
         "POST",
