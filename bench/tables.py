@@ -469,6 +469,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "vllm-client-pd-quick": ("vllm_client_pd_quick.json", _vllm_client),
     "vllm-client-pd": ("vllm_client_pd.json", _vllm_client),
     "router": ("router.json", _dropping("bench.router", "CPU time")),
+    "serving-path-ab": ("ab.json", _module_markdown("bench.ab")),
     "index-scale": ("index_scale.json", _dropping("bench.index_scale", "Encodings", "Ingestion")),
     "hashing": ("hashing.json", _module_markdown("bench.hashing")),
     "engine": ("engine.json", _dropping("bench.engine", "| k ")),
@@ -482,7 +483,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 
 
 #: blocks whose module's ``markdown`` renders its checks itself (as a budget table)
-RENDER_OWN_CHECKS = frozenset({"router", "overhead", "index-scale"})
+RENDER_OWN_CHECKS = frozenset({"router", "overhead", "index-scale", "serving-path-ab"})
 
 
 def _by_kind(out: dict[str, Any]) -> dict[str, list[str]]:
