@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from hybridpd.chat_template import compile_template, special_tokens
 from hybridpd.errors import InvalidRequestError
 
 
@@ -25,10 +25,31 @@ from hybridpd.errors import InvalidRequestError
 class ChatMessage:
     role: str
     content: str
+    #: the participant's name (OpenAI's ``name``), passed to the template when set
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        """The message as a chat template sees it."""
+        d = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
 
 
 #: how many of a chat's last assistant messages ``chat_prompt`` asks its ``recall`` for
 RECALL_TRIES = 4
+#: the ``generation_config.json`` fields that default a request's sampling (vLLM's
+#: ``ModelConfig.get_diff_sampling_param``)
+GENERATION_FIELDS = (
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "max_new_tokens",
+)
 
 
 class TextTokenizer:
@@ -36,9 +57,17 @@ class TextTokenizer:
         self.tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         cfg_path = model_dir / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        # NOTE: a chat template is code shipped with the model: it renders sandboxed
-        env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, autoescape=False)
-        self.template = env.from_string(cfg["chat_template"]) if cfg.get("chat_template") else None
+        # NOTE: a chat template is code shipped with the model: it renders sandboxed, as
+        # Hugging Face renders it (chat_template.py)
+        self.template = compile_template(cfg["chat_template"]) if cfg.get("chat_template") else None
+        self.special_tokens = special_tokens(cfg)
+        gen_path = model_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+        #: the model's sampling defaults (``generation_config.json``, as vLLM's server reads it with
+        #: ``generation_config: auto``): what a request that leaves a field out gets
+        self.generation_defaults: dict[str, float] = {
+            ("max_tokens" if k == "max_new_tokens" else k): gen[k] for k in GENERATION_FIELDS if gen.get(k) is not None
+        }
         self.stop_token_ids = tuple(
             i for i in (self.tok.token_to_id(t) for t in cfg.get("stop_tokens", [])) if i is not None
         )
@@ -49,6 +78,10 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_str(self, token_id: int) -> str:
+        """One token's vocabulary string (vLLM's ``/tokenize`` ``token_strs``: ``convert_ids_to_tokens``)."""
+        return self.tok.id_to_token(token_id) or ""
 
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs name it (vLLM: ``tokenizer.decode([id])``, special tokens kept)."""
@@ -63,13 +96,13 @@ class TextTokenizer:
         so the model continues it; InvalidRequestError where the template drops that content."""
         if self.template is None:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
-        reserved = {"messages", "add_generation_prompt", "tools"} & set(opts.template_kwargs)
+        reserved = {"messages", "add_generation_prompt", "tools", "documents"} & set(opts.template_kwargs)
         if reserved:
             raise InvalidRequestError("chat_template_kwargs may not set %s" % ", ".join(sorted(reserved)))
         try:
             text = self.template.render(
-                **opts.template_kwargs,
-                messages=[{"role": m.role, "content": m.content} for m in messages],
+                **{**self.special_tokens, **opts.template_kwargs},
+                messages=[m.as_dict() for m in messages],
                 add_generation_prompt=opts.add_generation_prompt,
                 tools=[dict(t) for t in opts.tools] if opts.tools is not None else None,
             )

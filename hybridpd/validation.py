@@ -17,6 +17,8 @@ from hybridpd.errors import InvalidRequestError
 
 #: torch.Generator.manual_seed accepts exactly this range.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+#: a temperature below this is greedy (vLLM's ``_SAMPLING_EPS``)
+GREEDY_EPS = 1e-5
 #: vLLM's default ``max_logprobs``: the most top logprobs a request may ask for
 MAX_LOGPROBS = 20
 #: OpenAI's bounds: |presence|, |frequency| penalty <= 2, |logit bias| <= 100, 300 biased tokens
@@ -133,7 +135,7 @@ def required_features(sp: SamplingParams) -> dict[Feature, str]:
         need[Feature.BAD_WORDS] = "bad_words"
     if sp.logprobs is not None:
         need[Feature.LOGPROBS] = "logprobs"
-    if sp.min_p:
+    if sp.min_p > GREEDY_EPS and sp.temperature >= GREEDY_EPS:  # vLLM zeroes min_p for greedy requests
         need[Feature.MIN_P] = "min_p"
     if sp.allowed_token_ids is not None:
         need[Feature.ALLOWED_TOKEN_IDS] = "allowed_token_ids"

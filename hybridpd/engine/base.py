@@ -61,6 +61,9 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    #: the engine failed the request (vLLM's "error": a grammar that failed at run time, a
+    #: failed KV load): never an answer, the router fails the request (EngineError)
+    ERROR = "error"
 
 
 @dataclass(frozen=True, slots=True)

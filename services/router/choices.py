@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 
 from hybridpd.engine.base import EngineRequest, RequestId
 from hybridpd.errors import InvalidRequestError
+from hybridpd.validation import GREEDY_EPS, SEED_MAX
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions
 from services.router.request_builder import Built
@@ -34,16 +35,21 @@ class Choice:
     built: Built
     #: the first choice of its prompt (its siblings wait for its prefill)
     leader: bool = True
+    #: the request id the client knows (``Orchestrator.abort`` of it stops every choice)
+    parent: str = ""
 
 
 def expand(builts: list[Built], n: int) -> list[Choice]:
     """``n`` choices per built prompt, with their own ids and seeds (module docstring).
     InvalidRequestError for ``n`` > 1 with greedy sampling, as vLLM's server refuses it
-    (its choices would all be the same)."""
-    if n > 1 and any(b.request.sampling.temperature <= 0.0 for b in builts):
+    (its choices would all be the same), and for seeds past the range."""
+    if n > 1 and any(b.request.sampling.temperature < GREEDY_EPS for b in builts):
         raise InvalidRequestError("n must be 1 when using greedy sampling, got %d." % n)
+    seeds = [b.request.sampling.seed for b in builts if b.request.sampling.seed is not None]
+    if seeds and max(seeds) + n - 1 > SEED_MAX:
+        raise InvalidRequestError("seed: choice j samples with seed + j; seed + n - 1 exceeds %d" % SEED_MAX)
     if len(builts) == 1 and n == 1:
-        return [Choice(0, builts[0])]
+        return [Choice(0, builts[0], parent=builts[0].request.request_id)]
     out: list[Choice] = []
     for p, built in enumerate(builts):
         for j in range(n):
@@ -51,35 +57,47 @@ def expand(builts: list[Built], n: int) -> list[Choice]:
             req = built.request
             sp = req.sampling
             seed = sp.seed + j if sp.seed is not None and j else sp.seed
-            child = replace(
-                req, request_id=RequestId("%s-%d" % (req.request_id, index)), sampling=replace(sp, seed=seed)
-            )
+            rid = RequestId("%s-%d" % (req.request_id, index))
+            child = replace(req, request_id=rid, sampling=replace(sp, seed=seed))
             answer = built.answer if j == 0 else None
-            out.append(Choice(index, Built(child, answer, built.boundaries), j == 0))
+            out.append(Choice(index, Built(child, answer, built.boundaries), j == 0, req.request_id))
     return out
+
+
+@dataclass(slots=True)
+class _Gate:
+    """A prompt's siblings wait here until its first choice has its prefill (or ended)."""
+
+    opened: asyncio.Event
+    #: the first choice failed: its siblings do not start
+    failed: bool = False
 
 
 async def serve(
     orch: Orchestrator, choices: list[Choice], api: str, force: str | None, opts: OutputOptions
 ) -> AsyncIterator[tuple[int, Event]]:
     """Every choice's events, tagged with its index, until each has its last one.
-    Raises what a choice raised (the others cancelled)."""
+    Raises what a choice raised (the others cancelled). A sibling whose request was
+    aborted (``Orchestrator.abort`` of the client's id) or whose first choice failed
+    does not start."""
     if len(choices) == 1:
         c = choices[0]
-        async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
-            async for ev in events:
-                yield c.index, ev
+        try:
+            async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
+                async for ev in events:
+                    yield c.index, ev
+        finally:
+            orch.aborted.pop(c.parent, None)
         return
     queue: asyncio.Queue[tuple[int, Event | BaseException | None]] = asyncio.Queue()
-    gates: dict[int, asyncio.Event] = {}
+    gates: dict[int, _Gate] = {}
     tasks: list[asyncio.Task[None]] = []
     leader = -1
     for c in choices:
         if c.leader:
             leader = c.index
-            gates[leader] = asyncio.Event()
-        gate = gates[leader]
-        tasks.append(asyncio.ensure_future(_drive(orch, c, api, force, opts, queue, gate, c.leader)))
+            gates[leader] = _Gate(asyncio.Event())
+        tasks.append(asyncio.ensure_future(_drive(orch, c, api, force, opts, queue, gates[leader])))
     try:
         left = len(choices)
         while left:
@@ -94,6 +112,8 @@ async def serve(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for parent in {c.parent for c in choices}:
+            orch.aborted.pop(parent, None)
 
 
 async def _drive(
@@ -103,25 +123,28 @@ async def _drive(
     force: str | None,
     opts: OutputOptions,
     queue: asyncio.Queue[tuple[int, Event | BaseException | None]],
-    gate: asyncio.Event,
-    leader: bool,
+    gate: _Gate,
 ) -> None:
     """Run one choice into ``queue``: its events, an exception if it failed, then None."""
     try:
-        if not leader:
-            await gate.wait()
+        if not c.leader:
+            await gate.opened.wait()
+            if gate.failed or c.parent in orch.aborted:
+                await queue.put((c.index, None))
+                return
         async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
             async for ev in events:
-                if leader:
-                    gate.set()
+                if c.leader:
+                    gate.opened.set()
                 await queue.put((c.index, ev))
     except asyncio.CancelledError:
         raise
     except Exception as exc:
+        gate.failed |= c.leader
         await queue.put((c.index, exc))
     finally:
-        if leader:
-            gate.set()  # a failed or empty leader must not hold its siblings forever
+        if c.leader:
+            gate.opened.set()  # a failed or empty first choice must not hold its siblings forever
     await queue.put((c.index, None))
 
 

@@ -73,6 +73,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             checkpoints=tuple(msg.checkpoints),
             tenant=tenant,
             chat=chat,
+            add_special_tokens=which == "text",  # vLLM's completions default
         )
         return build(api, self.orch, self.served_model)
 

@@ -44,9 +44,10 @@ from services.router.openai_models import (
     ErrorResponse,
     _Common,
 )
+from services.router.openai_sampling import sampling_of
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions, Usage
-from services.router.request_builder import ApiRequest, Built, Sampling, build
+from services.router.request_builder import ApiRequest, Built, build
 from services.worker.api import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,7 @@ async def completions(body: CompletionRequest, request: Request, st: State) -> R
         )
         builts.append(build(api, st.orch, st.served_model))
         if body.echo:
-            text = p if isinstance(p, str) else st.orch.tokenizer.decode(p, body.skip_special_tokens)
+            text = p if isinstance(p, str) else st.orch.tokenizer.decode(p, False)  # vLLM keeps special tokens
             echo.update({i * body.choices + j: text for j in range(body.choices)})
     return await _generate(st, body, builts, "completions", echo)
 
@@ -179,8 +180,8 @@ async def completions(body: CompletionRequest, request: Request, st: State) -> R
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
     _check_choices(1, body.choices)
-    msgs = tuple(ChatMessage(m.role, m.text) for m in body.messages)
-    tools = tuple(t.model_dump(exclude_none=True) for t in body.tools) if body.tools else None
+    msgs = tuple(ChatMessage(m.role, m.text, m.name) for m in body.messages)
+    tools = tuple(t.as_template() for t in body.tools) if body.tools else None
     opts = ChatOptions(
         body.add_generation_prompt,
         body.continue_final_message,
@@ -193,7 +194,8 @@ async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Resp
     )
     built = build(api, st.orch, st.served_model)
     echo = {}
-    if body.echo and msgs[-1].role == "assistant":  # vLLM: the last message, when it is the answer's role
+    role = "assistant" if body.add_generation_prompt else msgs[-1].role  # vLLM's get_chat_request_role
+    if body.echo and msgs[-1].role == role:  # vLLM: the last message, when it is the answer's role
         echo = dict.fromkeys(range(body.choices), msgs[-1].content)
     return await _generate(st, body, [built], "chat", echo)
 
@@ -207,30 +209,7 @@ def _check_choices(prompts: int, n: int) -> None:
 
 def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest:
     """The fields both endpoints share (``request_builder.build`` decides the rest)."""
-    if isinstance(body, ChatCompletionRequest):
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    else:
-        max_tokens, logprobs = body.max_tokens, body.logprobs  # type: ignore[attr-defined]
-    sampling = Sampling(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),  # vLLM: -1 and 0 both mean every token
-        seed=body.seed,
-        ignore_eos=body.ignore_eos,
-        min_p=body.min_p or 0.0,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
-        min_tokens=body.min_tokens,
-        stop_token_ids=tuple(body.stop_token_ids or ()),
-        bad_words=tuple(body.bad_words or ()),
-        allowed_token_ids=tuple(body.allowed_token_ids) if body.allowed_token_ids is not None else None,
-        logprobs=logprobs,
-        structured=body.structured(),
-    )
+    sampling = sampling_of(body, st.orch.tokenizer.generation_defaults)
     rid, tenant = body.request_id or request.state.request_id, request.state.tenant
     return ApiRequest(
         rid,

@@ -144,9 +144,21 @@ class _Common(_Strict):
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for k in v or {}:
-            if not k.lstrip("-").isdigit():
-                raise ValueError("keys must be token ids, got %r" % k)
+            try:
+                int(k)
+            except ValueError:
+                raise ValueError("keys must be token ids, got %r" % k) from None
         return v
+
+    @model_validator(mode="after")
+    def _spaces(self) -> _Common:
+        # vLLM: spaces_between_special_tokens acts only where special tokens are kept
+        extra = self.model_extra or {}
+        if not self.skip_special_tokens and extra.get("spaces_between_special_tokens") is False:
+            raise ValueError(
+                "spaces_between_special_tokens: false is not supported (special tokens decode as they are)"
+            )
+        return self
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -251,6 +263,14 @@ class ToolDef(BaseModel):
 
     type: Literal["function"] = "function"
     function: FunctionDef
+
+    def as_template(self) -> dict[str, Any]:
+        """The tool as vLLM hands it to the chat template (``strict`` left out, unset fields null)."""
+        f = self.function
+        return {
+            "type": self.type,
+            "function": {"name": f.name, "description": f.description, "parameters": f.parameters},
+        }
 
 
 class ChatCompletionRequest(_Common):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, TokenLogprobs
-from hybridpd.errors import InvalidRequestError, UnavailableError
+from hybridpd.errors import EngineError, InvalidRequestError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
 from services.router.admission import Admission, Deadline
@@ -42,6 +42,8 @@ from services.worker.api import DecodeClient, PrefillClient
 from services.worker.messages import PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
+#: client ids remembered as aborted (``Orchestrator.aborted``)
+MAX_ABORTED = 4096
 
 
 @dataclass(slots=True)
@@ -94,6 +96,9 @@ class Orchestrator:
         self.answers = AnswerMemory()
         #: request id -> the actors holding its work (for Abort)
         self.running: dict[str, Flight] = {}
+        #: client request ids aborted while their choices run (``choices.serve`` starts no
+        #: sibling of one, and forgets it when they end); insertion-ordered, bounded
+        self.aborted: dict[str, None] = {}
         metrics.configured_prefill.set(len(prefill))
         metrics.live_prefill.set(len(prefill))
 
@@ -209,6 +214,12 @@ class Orchestrator:
         run.last = now
         return self._event(run, out, chunk.token_ids, chunk.finished, chunk.finish_reason, chunk.logprobs)
 
+    @staticmethod
+    def _check_failed(run: _Run, reason: str | None) -> None:
+        """EngineError where the engine reported that it failed the request (never a 200)."""
+        if reason == "error":
+            raise EngineError("the engine failed request %s" % run.req.request_id)
+
     def _event(
         self,
         run: _Run,
@@ -219,6 +230,7 @@ class Orchestrator:
         logprobs: tuple[TokenLogprobs, ...] | None = None,
     ) -> Event:
         """The Event for new tokens (``done``: the engine ended the request with ``reason``)."""
+        self._check_failed(run, reason)
         if out.count == 0 and token_ids:  # the request's first token, from prefill or decode
             self.metrics.ttft.observe(run.deadline.elapsed())
         ev = out.push(token_ids, done, reason, logprobs)
@@ -287,6 +299,9 @@ class Orchestrator:
     def abort(self, request_id: str) -> bool:
         """Abort ``request_id`` (or, for a request of several choices, each of its
         ``<id>-<index>`` choices) on the actors holding it; False if none does."""
+        self.aborted[request_id] = None
+        while len(self.aborted) > MAX_ABORTED:
+            self.aborted.pop(next(iter(self.aborted)))
         flights = [self.running[request_id]] if request_id in self.running else []
         if not flights:
             prefix = request_id + "-"

@@ -12,6 +12,7 @@ Tensor-free and actor-free: unit-tested on token ids alone.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -86,10 +87,15 @@ class StopWindow:
         return hit[0] if hit is not None else None
 
     def match(self, text: str, appended_at: int, floor: int = 0) -> tuple[int, str] | None:
-        """The earliest stop string in ``text`` and where it starts (:meth:`find`)."""
-        lo = max(appended_at - self.reach, floor, 0)
-        hits = [(i, s) for i, s in ((text.find(s, lo), s) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        """The stop string in ``text`` that completes first (ties: the earlier in the list,
+        vLLM's ``check_stop_strings``) and where it starts; only one that ends after
+        ``floor`` counts (``min_tokens``' exempt text)."""
+        best: tuple[int, int, str] | None = None
+        for s in self.stop:
+            i = text.find(s, max(appended_at - self.reach, floor - len(s) + 1, 0))
+            if i >= 0 and (best is None or i + len(s) < best[0]):
+                best = (i + len(s), i, s)
+        return (best[1], best[2]) if best is not None else None
 
     def held(self, text: str) -> int:
         """How many characters at the end of ``text`` could be the start of a stop
@@ -150,26 +156,37 @@ class OutputProcessor:
         text, less a tail that may be the start of a stop string (as OpenAI and
         vLLM hold it back: a client never sees "STO" of "STOP")."""
         opts = self.opts
-        before = len(self.detok.emitted)
+        before, count = len(self.detok.emitted), self.count
         text_ids = token_ids
         stop_token = done and finish_reason == "stop" and bool(token_ids)
         if stop_token and not opts.include_stop_str_in_output:
             text_ids = token_ids[:-1]
-        if self.count < opts.min_tokens < self.count + len(text_ids):  # the floor lies inside this chunk
-            k = opts.min_tokens - self.count
-            self.detok.push(text_ids[:k])
-            self.floor, text_ids = len(self.detok.emitted), text_ids[k:]
-        self.detok.push(text_ids, final=done)
+        # the text's end after each token (vLLM's token_offsets): one push per token where a stop
+        # string could end inside a chunk, so the tokens after the one completing it are dropped
+        offsets = [before]
+        if self.stop.stop and len(text_ids) > 1:
+            for i, t in enumerate(text_ids):
+                self.detok.push((t,), final=done and i == len(text_ids) - 1)
+                offsets.append(len(self.detok.emitted))
+        else:
+            self.detok.push(text_ids, final=done)
+            offsets += [len(self.detok.emitted)] * len(text_ids)
+        offsets += [offsets[-1]] * (len(token_ids) - len(text_ids))  # a stop token's, left out of the text
         self.count += len(token_ids)
-        if self.count <= opts.min_tokens:
-            self.floor = len(self.detok.emitted)
         text = self.detok.emitted
-        hit = self.stop.match(text, before, self.floor)
+        if self.count <= opts.min_tokens:  # stop strings count only after min_tokens tokens' text
+            self.floor = len(text)
+        elif count < opts.min_tokens:
+            self.floor = offsets[opts.min_tokens - count]
+        hit = self.stop.match(text, before, self.floor) if self.count > opts.min_tokens else None
         if hit is not None:
             self.stopped_on_string = True
             at, s = hit
+            kept = bisect.bisect_left(offsets, at + len(s), lo=1)  # through the token completing it
+            self.count = count + kept
+            lps = logprobs[:kept] if logprobs is not None else None
             end = at + len(s) if opts.include_stop_str_in_output else at
-            return Event(token_ids, self._release(end), True, "stop", self.usage(), logprobs, s)
+            return Event(token_ids[:kept], self._release(end), True, "stop", self.usage(), lps, s)
         if done:
             reason = token_ids[-1] if stop_token and token_ids[-1] in opts.stop_token_ids else None
             return Event(token_ids, self._release(len(text)), True, finish_reason, self.usage(), logprobs, reason)

@@ -17,8 +17,9 @@ that decides what is served lives here, so HTTP and gRPC are the same product:
 * chat rendering: ``add_generation_prompt``, ``continue_final_message``,
   ``chat_template_kwargs`` (``tokenizer.ChatOptions``); ``truncate_prompt_tokens``
   keeps the prompt's last (``truncation_side: right``: first) tokens;
-* sampling: ``max_tokens`` defaults as vLLM's server: 16 on completions (clamped
-  to what the context leaves), on chat what the context leaves; the tokenizer's end-of-turn ids stop unless
+* sampling: ``max_tokens`` as vLLM's server sets it: what was asked (default 16 on
+  completions; on chat the model's ``generation_config`` or what the context leaves),
+  clamped to what the context leaves; the tokenizer's end-of-turn ids stop unless
   ``ignore_eos``, the client's ``stop_token_ids`` always; ``bad_words`` become
   token id sequences as vLLM makes them; every feature the request needs is
   checked against the engine's profile (``engine/profile.py``: a 400 naming the
@@ -150,7 +151,7 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
         keep = api.answer_checkpoint if api.answer_checkpoint is not None else cfg.answer_checkpoints
         if keep:
             plan = AnswerPlan(salt, chat.text, chat.answer_span)
-        default_max = DEFAULT_CHAT_MAX_TOKENS
+        default_max = int(tok.generation_defaults.get("max_tokens", DEFAULT_CHAT_MAX_TOKENS))
     elif api.token_ids is not None:
         tokens, default_max = list(api.token_ids), DEFAULT_MAX_TOKENS
     elif api.text is not None:
@@ -164,7 +165,13 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
     if len(tokens) != untruncated:
         checkpoints, boundaries, plan = [], (), None  # positions of the untruncated prompt mean nothing
     s = api.sampling
-    max_tokens = s.max_tokens if s.max_tokens is not None else max(1, min(default_max, cfg.max_model_len - len(tokens)))
+    left = cfg.max_model_len - len(tokens)
+    if left < 1:
+        raise InvalidRequestError(
+            "prompt (%d tokens) leaves no room in the model's context of %d tokens" % (len(tokens), cfg.max_model_len)
+        )
+    # vLLM's rule: what was asked (or the default), clamped to what the context leaves
+    max_tokens = min(s.max_tokens if s.max_tokens is not None else default_max, left)
     sp = sampling_params(s, max_tokens, tok, profile.tokenizer_stop_ids)
     check_features(sp, profile)
     req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))

@@ -34,7 +34,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         ids = tok.encode(body.prompt, True if body.add_special_tokens is None else body.add_special_tokens)
     else:
         raise InvalidRequestError("tokenize needs a prompt or messages")
-    strs = [tok.token_text(i) for i in ids] if body.return_token_strs else None
+    strs = [tok.token_str(i) for i in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": st.orch.cfg.max_model_len, "tokens": ids, "token_strs": strs}
 
 
@@ -47,7 +47,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     vocab = st.orch.tokenizer.vocab_size
     if any(not 0 <= t < vocab for t in body.tokens):
         raise InvalidRequestError("tokens must lie in [0, %d)" % vocab)
-    return {"prompt": st.orch.tokenizer.decode(body.tokens)}
+    return {"prompt": st.orch.tokenizer.decode(body.tokens, False)}  # special tokens kept, as vLLM's
 
 
 @router.get("/version")

@@ -345,8 +345,9 @@ def test_stop_string_split_over_three_chunks() -> None:
     evs = asyncio.run(_collect(orch, _req(30), ("STOP",)))
     # "S", then "STO", may start the stop string: held back, never sent
     assert [ev.text for ev in evs] == [" H", "ello world, the ", "", ""]
-    assert [ev.token_ids for ev in evs] == [SCRIPT[0:1], SCRIPT[1:10], SCRIPT[10:12], SCRIPT[12:15]]
-    assert (evs[-1].finished, evs[-1].finish_reason, evs[-1].usage) == (True, "stop", Usage(3, CACHED, 15))
+    through = _through("STOP")  # the tokens after the one completing it are dropped (vLLM's rule)
+    assert [ev.token_ids for ev in evs] == [SCRIPT[0:1], SCRIPT[1:10], SCRIPT[10:12], SCRIPT[12:through]]
+    assert (evs[-1].finished, evs[-1].finish_reason, evs[-1].usage) == (True, "stop", Usage(3, CACHED, through))
     assert p.abort.calls == [("r1",)] and d.abort.calls == [("r1",)]  # decode had not finished
     assert _metric(orch, "hybridpd_requests_total", api="test", status="ok") == 1
 
@@ -354,8 +355,13 @@ def test_stop_string_split_over_three_chunks() -> None:
 def test_stop_string_ending_in_a_chunk_is_cut_from_it() -> None:
     p, d = FakePrefill("prefill-0"), FakeDecode((20,))
     evs = asyncio.run(_collect(_orch([p], [d]), _req(30), ("zz", " here", "STOP")))
-    assert [ev.text for ev in evs] == [" H", "ello world, the "]  # earliest start wins: STOP before here
-    assert evs[-1].usage == Usage(3, CACHED, 21)
+    assert [ev.text for ev in evs] == [" H", "ello world, the "]  # the first to complete wins: STOP before here
+    assert evs[-1].usage == Usage(3, CACHED, _through("STOP")) and evs[-1].stop_reason == "STOP"
+
+
+def _through(stop: str) -> int:
+    """How many of SCRIPT's tokens it takes for the text to contain ``stop``."""
+    return next(k for k in range(1, len(SCRIPT) + 1) if stop in TOK.decode(SCRIPT[:k]))
 
 
 @pytest.mark.parametrize(

@@ -214,3 +214,18 @@ def test_tools_reach_the_template_with_tool_choice_none() -> None:
     tools = ({"type": "function", "function": {"name": "get_weather"}},)
     assert tok.chat_prompt(msgs, ChatOptions(tools=tools)).text == "[get_weather]hi"
     assert tok.chat_prompt(msgs, ChatOptions()).text == "hi"
+
+
+def test_sampling_defaults_come_from_the_model_like_vllms() -> None:
+    from services.router.openai_models import ChatCompletionRequest, CompletionRequest
+    from services.router.openai_sampling import sampling_of
+
+    gen = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05}
+    body = CompletionRequest.model_validate({"model": "tiny", "prompt": "x", "top_p": 0.5, "seed": -1})
+    s = sampling_of(body, gen)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.seed) == (0.7, 0.5, 20, 1.05, None)
+    assert sampling_of(body, {}).temperature == 1.0
+    chat = ChatCompletionRequest.model_validate(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 1, "05": 2}}
+    )
+    assert sampling_of(chat, {}).logit_bias == ((5, 2),)  # a repeated id keeps its last value, as a dict does

@@ -16,19 +16,30 @@ pytestmark = pytest.mark.unit
 
 
 def _whole_text_reference(chunks: list[tuple[int, ...]], stop: tuple[str, ...]) -> list[tuple[str, bool, int]]:
-    """By brute force over the WHOLE text after every chunk: the earliest stop
-    string ends it; else everything but the longest tail that is a proper
-    prefix of a stop string is sent (all of it at the end)."""
+    """By brute force over the WHOLE text after every chunk: the stop string that
+    completes first (ties: list order; vLLM's rule) ends it, and the tokens after the
+    one completing it are dropped from the count; else everything but the longest
+    tail that is a proper prefix of a stop string is sent (all of it at the end)."""
     detok, out, count, sent = IncrementalDetokenizer(TOK), [], 0, 0
+    per_token, ends = IncrementalDetokenizer(TOK), []  # the text's length after each token
     stops = [s for s in stop if s]
     for i, chunk in enumerate(chunks):
         last = i == len(chunks) - 1
-        detok.push(chunk, final=last)
+        if stops and len(chunk) > 1:  # token by token, as vLLM's detokenizer steps
+            for j, t in enumerate(chunk):
+                detok.push((t,), final=last and j == len(chunk) - 1)
+        else:
+            detok.push(chunk, final=last)
+        for j, t in enumerate(chunk):
+            per_token.push((t,), final=last and j == len(chunk) - 1)
+            ends.append(len(per_token.emitted))
         count += len(chunk)
         text = detok.emitted
-        hits = [j for j in (text.find(s) for s in stops) if j >= 0]
+        hits = sorted((j + len(s), k, j) for k, s in enumerate(stops) if (j := text.find(s)) >= 0)
         if hits:
-            out.append((text[sent : max(min(hits), sent)], True, count))
+            end, _, start = hits[0]
+            kept = next(k + 1 for k, e in enumerate(ends) if e >= end)
+            out.append((text[sent : max(start, sent)], True, kept))
             return out
         held = 0
         if not last:

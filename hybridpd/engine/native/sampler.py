@@ -13,9 +13,12 @@ import torch
 
 from hybridpd.engine.base import SamplingParams
 
+#: a temperature below this is greedy (vLLM's ``_SAMPLING_EPS``)
+GREEDY_EPS = 1e-5
+
 
 def is_greedy(sp: SamplingParams) -> bool:
-    return sp.temperature <= 0.0
+    return sp.temperature < GREEDY_EPS
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

@@ -101,12 +101,13 @@ SEND_HOLD_S = 1.0
 #: handoff (decode's read waits on it), and later (an unread handoff waits for vLLM's timeout)
 SEND_POLL_S, IDLE_POLL_S = 0.001, 0.005
 #: vLLM's finish reasons as ours: "error" (a grammar that did not compile, a failed KV load
-#: under the fail policy) ends the request as aborted; "repetition" (not asked for) as stopped
+#: under the fail policy) is an engine failure (the router fails the request); "repetition"
+#: (not asked for) is a stop
 _FINISH_REASONS = {
     "stop": FinishReason.STOP,
     "length": FinishReason.LENGTH,
     "abort": FinishReason.ABORT,
-    "error": FinishReason.ABORT,
+    "error": FinishReason.ERROR,
 }
 
 
