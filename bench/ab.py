@@ -28,6 +28,7 @@ The summary: ``bench/results/ab.json`` (``markdown`` renders its table).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -36,7 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,46 +94,55 @@ def _copy_built_extensions(worktree: Path) -> None:
             print("ab: %s differs at the older commit: its side runs without %s" % (src, so.name))
 
 
-def run(before: str, runs: int, repeats: int, benches: list[str], runs_dir: Path = RUNS_DIR) -> None:
-    """``runs`` pairs of each bench, ``before`` (a commit) and this tree, in ABBA order."""
-    runs_dir.mkdir(parents=True, exist_ok=True)
-    first = 1 + max((int(p.stem.rsplit("_", 1)[1]) for p in runs_dir.glob("*_*_*.json")), default=0)
-    subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False)
+@contextlib.contextmanager
+def worktree(commit: str) -> Iterator[Path]:
+    """A temporary ``git worktree`` of ``commit`` with this tree's built C extensions where
+    their source is the same (they are built in place and git-ignored: without them that
+    side would run the pure-Python fallbacks, a difference that is not the change under test)."""
+    subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False)  # one a killed run left
     with tempfile.TemporaryDirectory(prefix="ab-") as tmp:
         wt = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(wt), before], cwd=REPO, check=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(wt), commit], cwd=REPO, check=True)
         try:
             _copy_built_extensions(wt)
-            for i in range(first, first + runs):
-                order = [("before", wt), ("after", REPO)]
-                for side, repo in order if (i - first) % 2 == 0 else order[::-1]:
-                    for name in benches:
-                        print("ab: run %d/%d, %s, %s" % (i - first + 1, runs, name, side), flush=True)
-                        _bench(name, repo, runs_dir / ("%s_%s_%d.json" % (name, side, i)), repeats)
+            yield wt
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=REPO, check=False)
 
 
-def _median(runs: list[list[float]]) -> float:
+def run(before: str, runs: int, repeats: int, benches: list[str], runs_dir: Path = RUNS_DIR) -> None:
+    """``runs`` pairs of each bench, ``before`` (a commit) and this tree, in ABBA order."""
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    first = 1 + max((int(p.stem.rsplit("_", 1)[1]) for p in runs_dir.glob("*_*_*.json")), default=0)
+    with worktree(before) as wt:
+        for i in range(first, first + runs):
+            order = [("before", wt), ("after", REPO)]
+            for side, repo in order if (i - first) % 2 == 0 else order[::-1]:
+                for name in benches:
+                    print("ab: run %d/%d, %s, %s" % (i - first + 1, runs, name, side), flush=True)
+                    _bench(name, repo, runs_dir / ("%s_%s_%d.json" % (name, side, i)), repeats)
+
+
+def pooled_median(runs: list[list[float]]) -> float:
     return statistics.median(x for r in runs for x in r)
 
 
 def p_higher(before: list[list[float]], after: list[list[float]], seed: int = 0) -> float:
     """One-sided permutation p-value of "after's pooled median is above before's" (whole
     runs relabelled: a run's repeats share its load). (k + 1) / (n + 1)."""
-    observed = _median(after) - _median(before)
+    observed = pooled_median(after) - pooled_median(before)
     pooled = before + after
     rng = random.Random(seed)
     at_least = 0
     for _ in range(PERMUTATIONS):
         rng.shuffle(pooled)
-        if _median(pooled[len(before) :]) - _median(pooled[: len(before)]) >= observed:
+        if pooled_median(pooled[len(before) :]) - pooled_median(pooled[: len(before)]) >= observed:
             at_least += 1
     return (at_least + 1) / (PERMUTATIONS + 1)
 
 
 def compare(before: list[list[float]], after: list[list[float]]) -> dict[str, Any]:
-    mb, ma = _median(before), _median(after)
+    mb, ma = pooled_median(before), pooled_median(after)
     fb, fa = [x for r in before for x in r], [x for r in after for x in r]
     return {
         "before": {"median": mb, "min": min(fb), "max": max(fb), "n": len(fb), "runs": len(before), "values": fb},

@@ -39,14 +39,12 @@ import argparse
 import json
 import os
 import random
-import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.ab import pooled_median, worktree
 from bench.report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -67,37 +65,17 @@ def _bench_engine(repo: Path, out: Path, repeats: int) -> None:
     subprocess.run(cmd, cwd=repo, env=env, check=True, stdout=subprocess.DEVNULL)
 
 
-def _copy_built_extensions(worktree: Path) -> None:
-    """This tree's built C extensions into ``worktree`` where their source is the same
-    (they are built in place and git-ignored: without them that side would run the
-    pure-Python fallbacks, a difference that is not the change under test)."""
-    for so in (REPO / "hybridpd").glob("*.so"):
-        src = so.name.split(".")[0] + ".c"
-        theirs = worktree / "hybridpd" / src
-        if theirs.exists() and theirs.read_bytes() == (REPO / "hybridpd" / src).read_bytes():
-            shutil.copy2(so, worktree / "hybridpd" / so.name)
-        else:
-            print("eagle-ab: %s differs at the older commit: its side runs without %s" % (src, so.name))
-
-
 def run(before: str, runs: int, repeats: int, runs_dir: Path = RUNS_DIR) -> None:
     """``runs`` pairs of ``bench eagle`` runs, ``before`` (a commit) and this tree, in
     ABBA order (drift over the sitting does not favour a side)."""
     runs_dir.mkdir(parents=True, exist_ok=True)
     first = 1 + max((int(p.stem.split("_")[1]) for p in runs_dir.glob("*_*.json")), default=0)
-    subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False)  # one a killed run left
-    with tempfile.TemporaryDirectory(prefix="eagle-ab-") as tmp:
-        wt = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(wt), before], cwd=REPO, check=True)
-        try:
-            _copy_built_extensions(wt)
-            for i in range(first, first + runs):
-                order = [("before", wt), ("after", REPO)]
-                for side, repo in order if (i - first) % 2 == 0 else order[::-1]:
-                    print("eagle-ab: run %d/%d, %s" % (i - first + 1, runs, side), flush=True)
-                    _bench_engine(repo, runs_dir / ("%s_%d.json" % (side, i)), repeats)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(wt)], cwd=REPO, check=False)
+    with worktree(before) as wt:
+        for i in range(first, first + runs):
+            order = [("before", wt), ("after", REPO)]
+            for side, repo in order if (i - first) % 2 == 0 else order[::-1]:
+                print("eagle-ab: run %d/%d, %s" % (i - first + 1, runs, side), flush=True)
+                _bench_engine(repo, runs_dir / ("%s_%d.json" % (side, i)), repeats)
 
 
 def _runs(files: list[Path]) -> tuple[dict[str, list[list[float]]], list[dict[str, Any]]]:
@@ -115,23 +93,19 @@ def _runs(files: list[Path]) -> tuple[dict[str, list[list[float]]], list[dict[st
     return runs, records
 
 
-def _pooled_median(runs: list[list[float]]) -> float:
-    return statistics.median(x for r in runs for x in r)
-
-
 def p_lower(
     before: list[list[float]], after: list[list[float]], permutations: int = PERMUTATIONS, seed: int = 0
 ) -> float:
     """One-sided permutation p-value of "after's pooled median is below before's".
     Whole runs are relabelled, not repeats: a run's repeats share its load, so the
     runs are the independent samples. (k + 1) / (n + 1): the observed labelling counts."""
-    observed = _pooled_median(after) - _pooled_median(before)
+    observed = pooled_median(after) - pooled_median(before)
     pooled = before + after
     rng = random.Random(seed)
     at_least = 0
     for _ in range(permutations):
         rng.shuffle(pooled)
-        if _pooled_median(pooled[len(before) :]) - _pooled_median(pooled[: len(before)]) <= observed:
+        if pooled_median(pooled[len(before) :]) - pooled_median(pooled[: len(before)]) <= observed:
             at_least += 1
     return (at_least + 1) / (permutations + 1)
 
@@ -139,7 +113,7 @@ def p_lower(
 def compare(before: list[list[float]], after: list[list[float]]) -> dict[str, Any]:
     """Both sides' pooled medians (``before``/``after``: each run's repeats), the change
     and whether it is "not lower" (module docstring)."""
-    mb, ma = _pooled_median(before), _pooled_median(after)
+    mb, ma = pooled_median(before), pooled_median(after)
     flat_b, flat_a = [x for r in before for x in r], [x for r in after for x in r]
     p = p_lower(before, after)
     return {

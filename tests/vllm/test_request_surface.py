@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,9 +26,10 @@ pytest.importorskip("vllm")
 
 import httpx
 
-from bench.vllm_direct import VllmServer, vllm_venv
+from bench.vllm_direct import VllmServer
 from tests.e2e.conftest import Stack
 from tests.greedy import BF16_TOL, GreedyReference, assert_greedy_matches
+from tests.vllm.test_vllm_pd import vllm_serve_venv
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -152,16 +152,6 @@ def cases(plain: list[int], word: str) -> list[Case]:
     ]
 
 
-def _venv() -> Path:
-    here = Path(sys.prefix)
-    if (here / "bin" / "vllm").exists():
-        return here
-    venv = vllm_venv()
-    if venv is None:
-        pytest.skip("no vLLM environment with a vllm executable")
-    return venv
-
-
 def _send(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     """Status and what to compare: per choice its token ids and text; a 400's message."""
     body = {**body, "return_token_ids": True} if path.startswith("/v1/") else body
@@ -245,7 +235,7 @@ def _alike(ref: dict[str, Any], got: dict[str, Any], margins: list[list[float]],
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Every case against ``vllm serve`` (with the margins), then against our stack."""
-    venv = _venv()
+    venv = vllm_serve_venv()
     tmp = Path(tmp_path_factory.mktemp("surface"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))

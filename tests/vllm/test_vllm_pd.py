@@ -50,7 +50,8 @@ REQUESTS: list[tuple[str, list[int] | None, bool]] = [
 ]
 
 
-def _venv() -> Path:
+def vllm_serve_venv() -> Path:
+    """The vLLM environment with a ``vllm`` executable (this one, else the repo's), or skip."""
     here = Path(sys.prefix)
     if (here / "bin" / "vllm").exists():
         return here
@@ -124,7 +125,7 @@ def _send(url: str, prompt: list[int] | None, stream: bool, logprobs: bool) -> d
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, dict[str, Any]]]]:
     """Every request against plain ``vllm serve`` (non-streaming, with logprobs: the
     reference), then against vllm-pd (as REQUESTS says)."""
-    venv = _venv()
+    venv = vllm_serve_venv()
     tmp = Path(tmp_path_factory.mktemp("vllm-pd"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
