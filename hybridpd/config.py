@@ -220,6 +220,47 @@ class HybridPDConfig(BaseModel):
         default_factory=list,
         description="Bearer API keys (comma-separated in env/flags); each is a tenant. Empty: off.",
     )
+    api_keys_file: str | None = Field(
+        None,
+        description="File of Bearer API keys, one per line ('#' comments); each is a tenant. Read again when"
+        " it changes. Adds to api_keys.",
+    )
+    operator_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Operator keys (comma-separated): the only keys /v1/hybridpd/* and the hybridpd_* usage"
+        " details answer to.",
+    )
+    operator_api_keys_file: str | None = Field(
+        None, description="File of operator keys, one per line; read again when it changes."
+    )
+    cache_details: Literal["operator", "everyone", "off"] = Field(
+        "operator",
+        description="Who sees the hybridpd_* usage fields (why prompt tokens hit or not): operator keys,"
+        " everyone (an open loopback stack), or no one.",
+    )
+    metrics_need_key: bool = Field(False, description="GET /metrics answers operator keys only.")
+    tls_cert_file: str | None = Field(None, description="PEM certificate: HTTP and gRPC serve TLS with it.")
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+    http_max_connections: int = Field(
+        1024, ge=1, le=1_000_000, description="Open HTTP connections the router keeps; then 503."
+    )
+    http_keepalive_timeout_s: float = Field(5.0, gt=0, le=3600, description="Idle HTTP keep-alive connections close.")
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="A connection that has not sent its request headers by then is closed."
+    )
+    grpc_max_message_bytes: int = Field(
+        8 << 20, ge=1024, le=1 << 30, description="Largest gRPC request message (RESOURCE_EXHAUSTED beyond)."
+    )
+    max_stop_strings: int = Field(4, ge=0, le=64, description="Stop strings per request (vLLM's 4).")
+    max_stop_chars: int = Field(256, ge=1, le=65536, description="Characters of one stop string.")
+    max_prompt_chars: int = Field(
+        4 << 20, ge=1, le=1 << 30, description="Characters of a prompt (all messages of a chat) before tokenizing."
+    )
+    max_messages: int = Field(2048, ge=1, le=1_000_000, description="Messages of one chat request.")
+    max_choices: int = Field(16, ge=1, le=1024, description="Choices of one request: n times its prompts.")
+    tokenizer_threads: int = Field(
+        2, ge=1, le=256, description="Threads that tokenize and render chat templates, after admission."
+    )
     max_inflight_requests: int = Field(256, ge=1, le=100000, description="Router admits this many; then 429.")
     request_timeout_s: float = Field(600.0, gt=0, le=86400, description="Deadline of one request (504 after).")
     handoff_timeout_s: float = Field(
@@ -294,7 +335,7 @@ class HybridPDConfig(BaseModel):
             data = {**data, "mamba_block_size": data["prefix_match_unit"]}
         return data
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "operator_api_keys", mode="before")
     @classmethod
     def _split_keys(cls, v: object) -> object:
         if isinstance(v, str):
@@ -324,6 +365,12 @@ class HybridPDConfig(BaseModel):
                 "the %s engine implements %s only, got %r"
                 % (self.engine, ", ".join(sorted(methods)), self.speculative_method),
             )
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("tls_key_file", "tls_cert_file and tls_key_file go together")
+        for name in ("tls_cert_file", "tls_key_file", "api_keys_file", "operator_api_keys_file"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ConfigError(name, "no such file: %s" % path)
         if self.http_port == self.grpc_port:
             raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
         if self.mooncake_master is not None and not _is_host_port(self.mooncake_master):
