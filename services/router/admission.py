@@ -1,12 +1,16 @@
 """Admission: the checks a request passes before the router does any work for it.
 
-    validate (hybridpd/validation.py, shared with the engines)
-      -> in-flight limit (max_inflight_requests: OverloadedError, 429)
+    in-flight limit (max_inflight_requests: OverloadedError, 429), counted in
+      choices: an API request holds one slot per choice, taken before it is
+      tokenized (``choices.run_request``)
       -> a Deadline (request_timeout_s from arrival: DeadlineError, 504)
+    validate (hybridpd/validation.py, shared with the engines), once built
 
-Lifecycle: :meth:`Admission.admit` either raises (nothing held) or counts the
-request in flight and returns its :class:`Deadline`; the caller must call
-:meth:`Admission.release` exactly once afterwards (in a ``finally``).
+Lifecycle: :meth:`Admission.enter` either raises (nothing held) or counts the
+slots in flight and returns their :class:`Ticket`; its holder must call
+:meth:`Admission.release` afterwards (in a ``finally``; a second call does
+nothing). :meth:`Admission.admit` validates and enters one slot, for a request
+that was built without a ticket.
 """
 
 from __future__ import annotations
@@ -44,6 +48,15 @@ class Deadline:
             raise DeadlineError("request exceeded its %.0fs deadline" % self.timeout_s) from None
 
 
+@dataclass(slots=True)
+class Ticket:
+    """The in-flight slots one request holds, from admission to its end."""
+
+    slots: int
+    deadline: Deadline
+    released: bool = False
+
+
 class Admission:
     """Validation and the in-flight limit of one router (event-loop confined)."""
 
@@ -54,15 +67,26 @@ class Admission:
         self.timeout_s = timeout_s
         self.inflight = 0
 
-    def admit(self, req: EngineRequest) -> Deadline:
-        """Validate ``req`` and count it in flight; raises InvalidRequestError or
-        OverloadedError (then nothing is counted)."""
-        validate_request(req, self.vocab_size, self.max_model_len)
-        if self.inflight >= self.max_inflight:
+    def enter(self, slots: int = 1) -> Ticket:
+        """Count ``slots`` (a request's choices) in flight, before any work is done for
+        them; OverloadedError (nothing counted) past ``max_inflight``."""
+        if self.inflight + slots > self.max_inflight:
             raise OverloadedError("too many requests in flight (%d)" % self.inflight, retry_after_s=1.0)
-        self.inflight += 1
-        return Deadline(time.perf_counter(), self.timeout_s)
+        self.inflight += slots
+        return Ticket(slots, Deadline(time.perf_counter(), self.timeout_s))
 
-    def release(self) -> None:
-        """An admitted request ended, whichever way."""
-        self.inflight -= 1
+    def validate(self, req: EngineRequest) -> None:
+        """InvalidRequestError unless the model can serve ``req`` (``validation.py``)."""
+        validate_request(req, self.vocab_size, self.max_model_len)
+
+    def admit(self, req: EngineRequest) -> Ticket:
+        """Validate ``req`` and count it in flight (one slot); raises InvalidRequestError
+        or OverloadedError (then nothing is counted)."""
+        self.validate(req)
+        return self.enter(1)
+
+    def release(self, ticket: Ticket) -> None:
+        """The request holding ``ticket`` ended, whichever way (once; again: nothing)."""
+        if not ticket.released:
+            ticket.released = True
+            self.inflight -= ticket.slots

@@ -1,5 +1,9 @@
-"""The choices of one API request: ``n`` per prompt, and a batch of prompts.
+"""One API request, the same for HTTP and gRPC (:func:`run_request`), and its
+choices: ``n`` per prompt, and a batch of prompts.
 
+    parsed       ->  prompts x n checked (``max_choices``), then admitted: one
+                     in-flight slot per choice (429 before any work)
+                 ->  each prompt built (tokenized, rendered) in the tokenizer pool
     prompts x n  ->  one engine request per choice (index = prompt * n + j)
                      the first of each prompt runs at once; its siblings start
                      once it has its first event (its prefill ended: the prompt
@@ -9,22 +13,24 @@
 A sibling's request id is ``<id>-<index>`` and its seed ``seed + j`` (vLLM's
 rule for ``n``); only the first choice of a prompt keeps its answer
 checkpoint. A failure of any choice fails the request: the others are
-cancelled, and each one's ``finally`` aborts its work on every actor.
+cancelled, and each one's ``finally`` aborts its work on every actor. The
+request's slots are released when its last choice ended, whichever way.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from hybridpd.engine.base import EngineRequest, RequestId
 from hybridpd.errors import InvalidRequestError
 from hybridpd.validation import GREEDY_EPS, SEED_MAX
+from services.router.admission import Ticket
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions
-from services.router.request_builder import Built
+from services.router.request_builder import ApiRequest, Built, build, check_choices
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +43,34 @@ class Choice:
     leader: bool = True
     #: the request id the client knows (``Orchestrator.abort`` of it stops every choice)
     parent: str = ""
+
+
+async def run_request(
+    orch: Orchestrator,
+    apis: Sequence[ApiRequest],
+    n: int,
+    api: str,
+    served_model: str,
+    force: str | None = None,
+    on_built: Callable[[list[Choice]], None] | None = None,
+) -> AsyncGenerator[tuple[int, Event], None]:
+    """Serve one API request of ``apis`` (its prompts, ``n`` choices each): admitted
+    first (``check_choices``, then one slot per choice: OverloadedError before any
+    work), each prompt then built in the tokenizer pool (``Orchestrator.off_loop``),
+    ``on_built`` told its choices, and every choice's events as :func:`serve` gives
+    them. Its slots are released when this generator ends or is closed."""
+    check_choices(len(apis), n, orch.cfg)
+    ticket = orch.admission.enter(len(apis) * n)
+    try:
+        builts = [await orch.off_loop(build, a, orch, served_model) for a in apis]
+        choices = expand(builts, n)
+        if on_built is not None:
+            on_built(choices)
+        async with aclosing(serve(orch, choices, api, force, apis[0].output, ticket)) as events:
+            async for item in events:
+                yield item
+    finally:
+        orch.admission.release(ticket)
 
 
 def expand(builts: list[Built], n: int) -> list[Choice]:
@@ -60,7 +94,7 @@ def expand(builts: list[Built], n: int) -> list[Choice]:
             rid = RequestId("%s-%d" % (req.request_id, index))
             child = replace(req, request_id=rid, sampling=replace(sp, seed=seed))
             answer = built.answer if j == 0 else None
-            out.append(Choice(index, Built(child, answer, built.boundaries), j == 0, req.request_id))
+            out.append(Choice(index, replace(built, request=child, answer=answer), j == 0, req.request_id))
     return out
 
 
@@ -74,16 +108,22 @@ class _Gate:
 
 
 async def serve(
-    orch: Orchestrator, choices: list[Choice], api: str, force: str | None, opts: OutputOptions
-) -> AsyncIterator[tuple[int, Event]]:
+    orch: Orchestrator,
+    choices: list[Choice],
+    api: str,
+    force: str | None,
+    opts: OutputOptions,
+    ticket: Ticket | None = None,
+) -> AsyncGenerator[tuple[int, Event], None]:
     """Every choice's events, tagged with its index, until each has its last one.
     Raises what a choice raised (the others cancelled). A sibling whose request was
     aborted (``Orchestrator.abort`` of the client's id) or whose first choice failed
-    does not start."""
+    does not start. ``ticket``: the slots the request took on admission (None: each
+    choice takes its own)."""
     if len(choices) == 1:
         c = choices[0]
         try:
-            async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
+            async with aclosing(_stream(orch, c.built, api, force, opts, ticket)) as events:
                 async for ev in events:
                     yield c.index, ev
         finally:
@@ -97,7 +137,7 @@ async def serve(
         if c.leader:
             leader = c.index
             gates[leader] = _Gate(asyncio.Event())
-        tasks.append(asyncio.ensure_future(_drive(orch, c, api, force, opts, queue, gates[leader])))
+        tasks.append(asyncio.ensure_future(_drive(orch, c, api, force, opts, queue, gates[leader], ticket)))
     try:
         left = len(choices)
         while left:
@@ -124,6 +164,7 @@ async def _drive(
     opts: OutputOptions,
     queue: asyncio.Queue[tuple[int, Event | BaseException | None]],
     gate: _Gate,
+    ticket: Ticket | None,
 ) -> None:
     """Run one choice into ``queue``: its events, an exception if it failed, then None."""
     try:
@@ -132,7 +173,7 @@ async def _drive(
             if gate.failed or c.parent in orch.aborted:
                 await queue.put((c.index, None))
                 return
-        async with aclosing(_stream(orch, c.built, api, force, opts)) as events:
+        async with aclosing(_stream(orch, c.built, api, force, opts, ticket)) as events:
             async for ev in events:
                 if c.leader:
                     gate.opened.set()
@@ -149,7 +190,7 @@ async def _drive(
 
 
 def _stream(
-    orch: Orchestrator, built: Built, api: str, force: str | None, opts: OutputOptions
+    orch: Orchestrator, built: Built, api: str, force: str | None, opts: OutputOptions, ticket: Ticket | None
 ) -> AsyncGenerator[Event, None]:
     req: EngineRequest = built.request
-    return orch.stream(req, api, force, opts, built.answer, built.boundaries)  # type: ignore[return-value]
+    return orch.stream(req, api, force, opts, built.answer, built.boundaries, ticket)  # type: ignore[return-value]

@@ -19,11 +19,10 @@ from hybridpd.engine.base import StructuredOutput
 from hybridpd.errors import HybridPDError, InvalidRequestError, describe, grpc_code
 from hybridpd.tokenizer import ChatMessage, ChatOptions
 from hybridpd.v1 import generate_pb2, generate_pb2_grpc
-from services.router.choices import expand, serve
-from services.router.openai_models import MAX_CHOICES
+from services.router.choices import run_request
 from services.router.orchestrator import Orchestrator
 from services.router.output import OutputOptions
-from services.router.request_builder import ApiRequest, Built, Sampling, build
+from services.router.request_builder import ApiRequest, Sampling
 
 _REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -43,17 +42,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         auth = meta.get("authorization")
         return self.keys.tenant(auth if isinstance(auth, str) else None)
 
-    def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> Built:
-        """Parse ``msg`` (proto3: 0 / empty means unset) and build it as HTTP does
-        (``request_builder.build``: chat with boundaries and answer checkpoints).
-        A field this server does not know (a newer client's) is refused by number."""
+    def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> ApiRequest:
+        """Parse ``msg`` (proto3: 0 / empty means unset) into what HTTP parses a body
+        into; ``request_builder.build`` builds both alike (chat with boundaries and
+        answer checkpoints). A field this server does not know (a newer client's) is
+        refused by number."""
         unknown = _unknown_fields(msg)
         if unknown:
             raise InvalidRequestError("unknown fields (a newer client?): %s" % ", ".join(unknown))
         which = msg.WhichOneof("prompt")
         s = msg.sampling
-        if s.n > MAX_CHOICES:
-            raise InvalidRequestError("sampling.n: at most %d choices, got %d" % (MAX_CHOICES, s.n))
         chat = ChatOptions()
         if which == "chat":
             c = msg.chat
@@ -62,7 +60,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError("chat: set add_generation_prompt false with continue_final_message")
             kwargs = json_format.MessageToDict(c.chat_template_kwargs) if c.HasField("chat_template_kwargs") else {}
             chat = ChatOptions(gen, c.continue_final_message, kwargs)
-        api = ApiRequest(
+        skip = s.skip_special_tokens if s.HasField("skip_special_tokens") else True
+        output = OutputOptions(tuple(s.stop), s.include_stop_str_in_output, s.min_tokens, skip, tuple(s.stop_token_ids))
+        return ApiRequest(
             msg.request_id or uuid.uuid4().hex,
             msg.model or self.served_model,
             _sampling(s),
@@ -74,22 +74,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             tenant=tenant,
             chat=chat,
             add_special_tokens=which == "text",  # vLLM's completions default
+            output=output,
         )
-        return build(api, self.orch, self.served_model)
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            built = self._request(request, self._tenant(context))
-            req, s = built.request, request.sampling
-            skip = s.skip_special_tokens if s.HasField("skip_special_tokens") else True
-            opts = OutputOptions(
-                tuple(s.stop), s.include_stop_str_in_output, s.min_tokens, skip, tuple(s.stop_token_ids)
-            )
-            async for index, ev in serve(self.orch, expand([built], s.n or 1), "grpc", None, opts):
+            api = self._request(request, self._tenant(context))
+            n = request.sampling.n or 1
+            async for index, ev in run_request(self.orch, [api], n, "grpc", self.served_model):
                 resp = generate_pb2.GenerateResponse(
-                    request_id=req.request_id, token_ids=list(ev.token_ids), text=ev.text, index=index
+                    request_id=api.request_id, token_ids=list(ev.token_ids), text=ev.text, index=index
                 )
                 for lp in ev.logprobs or ():
                     top = [generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]

@@ -3,11 +3,17 @@
 
 Errors are JSON ``{"error": {"message", "type", "code"}}`` with the status from
 ``hybridpd.errors.http_status``; body validation errors are 400. Every
-response carries ``X-Request-Id`` (the client's, if it sent one).
+response carries ``X-Request-Id`` (the client's, if it sent one). The outer
+layer (:class:`Gate`, plain ASGI) reads the whole body first, counting the bytes
+read (chunked bodies too): past 8 MiB the request is a 413 and reaches no handler.
+A generation request is admitted before it is tokenized (``choices.run_request``);
+a non-streaming one whose client disconnects is cancelled, and with it its work on
+every actor.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -20,7 +26,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridpd.auth import ApiKeys
 from hybridpd.errors import (
@@ -35,19 +43,13 @@ from hybridpd.errors import (
 )
 from hybridpd.tokenizer import ChatMessage, ChatOptions
 from services.router import tokens_api
-from services.router.choices import expand, serve
+from services.router.choices import Choice, run_request
 from services.router.openai_format import Kind, LogprobOptions, ResponseWriter, usage_json
-from services.router.openai_models import (
-    MAX_CHOICES,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorResponse,
-    _Common,
-)
+from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from services.router.openai_sampling import sampling_of
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions, Usage
-from services.router.request_builder import ApiRequest, Built, build
+from services.router.request_builder import ApiRequest
 from services.worker.api import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -98,8 +100,8 @@ router = APIRouter()
 def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaitable[dict]]) -> FastAPI:
     """The HTTP app: this module's handlers serving ``orch`` as model ``served_model``."""
     app = FastAPI(title="hybridpd", version="1", summary="OpenAI-compatible serving for hybrid LLMs")
-    app.state.hybridpd = RouterState(orch, served_model, stats, ApiKeys(orch.cfg.api_keys))
-    app.middleware("http")(request_id_and_limits)
+    state = app.state.hybridpd = RouterState(orch, served_model, stats, ApiKeys(orch.cfg.api_keys))
+    app.add_middleware(Gate, state=state)
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_unexpected)
@@ -109,26 +111,82 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
     return app
 
 
-# -- middleware and error handlers ------------------------------------------------------
-async def request_id_and_limits(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-    """``X-Request-Id`` on every response, the body size limit (413), API keys on /v1/ (401)."""
-    rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-    request.state.request_id = rid
-    size = request.headers.get("content-length")
-    request.state.tenant = None
-    resp: Response
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        resp = _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
-    else:
+# -- the outer layer and error handlers -------------------------------------------------
+class Gate:
+    """Plain ASGI, around every HTTP request: ``X-Request-Id`` on every response, the
+    body read whole before any handler and refused past :data:`MAX_BODY_BYTES` (413,
+    counted on the bytes read: a chunked body too), API keys on ``KEYED_PATHS`` (401)."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        local = scope.setdefault("state", {})
+        local.update(request_id=rid, tenant=None)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = rid
+            await send(message)
+
+        size = headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+            await _too_large()(scope, receive, send_with_id)
+            return
+        body = await _read_body(receive)
+        if body is None:  # the client went away while sending it
+            return
+        if len(body) > MAX_BODY_BYTES:
+            await _too_large()(scope, receive, send_with_id)
+            return
         try:
-            if request.url.path.startswith(KEYED_PATHS):  # /health, /metrics, /docs, /version stay open
-                keys = _state(request).keys
-                request.state.tenant = keys.tenant(request.headers.get("authorization"))
-            resp = await call_next(request)
+            if scope["path"].startswith(KEYED_PATHS):  # /health, /metrics, /docs, /version stay open
+                local["tenant"] = self.state.keys.tenant(headers.get("authorization"))
         except AuthError as exc:
             resp = _error(401, str(exc), "authentication_error", {"WWW-Authenticate": "Bearer"})
-    resp.headers["X-Request-Id"] = rid
-    return resp
+            await resp(scope, receive, send_with_id)
+            return
+        await self.app(scope, _replay(body, receive), send_with_id)
+
+
+def _too_large() -> JSONResponse:
+    return _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
+
+
+async def _read_body(receive: Receive) -> bytes | None:
+    """The request's body, read until its end or until it is past :data:`MAX_BODY_BYTES`
+    (then what was read: the caller refuses it); None if the client disconnected."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > MAX_BODY_BYTES or not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the body already read, then the client's own messages
+    (its disconnect: ``_until_disconnected``)."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -157,29 +215,24 @@ async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
 @router.post("/v1/completions", responses=ERROR_RESPONSES)
 async def completions(body: CompletionRequest, request: Request, st: State) -> Response:
     base = _api_request(body, request, st)
-    prompts = body.prompts()
-    _check_choices(len(prompts), body.choices)
     if body.echo and base.sampling.logprobs is not None:
         raise InvalidRequestError("echo: not supported together with logprobs (prompt logprobs are not computed)")
-    builts, echo = [], {}
-    for i, p in enumerate(prompts):
-        api = replace(
+    apis = [
+        replace(
             base,
             text=p if isinstance(p, str) else None,
             token_ids=tuple(p) if isinstance(p, list) else None,
             checkpoints=tuple(body.hybridpd_checkpoints or ()),
             add_special_tokens=body.add_special_tokens,
+            echo=bool(body.echo),
         )
-        builts.append(build(api, st.orch, st.served_model))
-        if body.echo:
-            text = p if isinstance(p, str) else st.orch.tokenizer.decode(p, False)  # vLLM keeps special tokens
-            echo.update({i * body.choices + j: text for j in range(body.choices)})
-    return await _generate(st, body, builts, "completions", echo)
+        for p in body.prompts()
+    ]
+    return await _generate(st, request, body, apis, "completions")
 
 
 @router.post("/v1/chat/completions", responses=ERROR_RESPONSES)
 async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Response:
-    _check_choices(1, body.choices)
     msgs = tuple(ChatMessage(m.role, m.text, m.name) for m in body.messages)
     tools = tuple(t.as_template() for t in body.tools) if body.tools else None
     opts = ChatOptions(
@@ -190,27 +243,26 @@ async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Resp
         tools,
     )
     api = replace(
-        _api_request(body, request, st), messages=msgs, answer_checkpoint=body.hybridpd_answer_checkpoint, chat=opts
+        _api_request(body, request, st),
+        messages=msgs,
+        answer_checkpoint=body.hybridpd_answer_checkpoint,
+        chat=opts,
+        echo=body.echo,
     )
-    built = build(api, st.orch, st.served_model)
-    echo = {}
-    role = "assistant" if body.add_generation_prompt else msgs[-1].role  # vLLM's get_chat_request_role
-    if body.echo and msgs[-1].role == role:  # vLLM: the last message, when it is the answer's role
-        echo = dict.fromkeys(range(body.choices), msgs[-1].content)
-    return await _generate(st, body, [built], "chat", echo)
-
-
-def _check_choices(prompts: int, n: int) -> None:
-    if prompts * n > MAX_CHOICES:
-        raise InvalidRequestError(
-            "n: at most %d choices per request (prompts x n), got %d" % (MAX_CHOICES, prompts * n)
-        )
+    return await _generate(st, request, body, [api], "chat")
 
 
 def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest:
     """The fields both endpoints share (``request_builder.build`` decides the rest)."""
     sampling = sampling_of(body, st.orch.tokenizer.generation_defaults)
     rid, tenant = body.request_id or request.state.request_id, request.state.tenant
+    output = OutputOptions(
+        body.stop_list(),
+        body.include_stop_str_in_output,
+        body.min_tokens,
+        body.skip_special_tokens,
+        tuple(body.stop_token_ids or ()),
+    )
     return ApiRequest(
         rid,
         body.model or st.served_model,
@@ -219,38 +271,58 @@ def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest
         tenant=tenant,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side or "left",
+        output=output,
     )
 
 
-async def _generate(
-    st: RouterState, body: _Common, builts: list[Built], kind: Kind, echo: dict[int, str] | None = None
-) -> Response:
-    """Run every choice of the request: an SSE stream, or one JSON body once all finished."""
+async def _generate(st: RouterState, request: Request, body: _Common, apis: list[ApiRequest], kind: Kind) -> Response:
+    """Run every choice of the request (``choices.run_request``: admitted, then built
+    off the event loop): an SSE stream, or one JSON body once all finished."""
     created = int(time.time())
-    first = builts[0].request
+    first = apis[0]
     oid = ("chatcmpl-" if kind == "chat" else "cmpl-") + first.request_id
     n = body.choices
     lp = LogprobOptions(first.sampling.logprobs, bool(body.return_tokens_as_token_ids))
     model = body.model or st.served_model
-    choices = expand(builts, n)
-    prompts = {c.index: c.built.request.prompt_token_ids for c in choices}
-    writer = ResponseWriter(
-        kind, st.orch.tokenizer, oid, created, model, lp, bool(body.return_token_ids), echo, prompts
-    )
-    client_stops = tuple(body.stop_token_ids or ())
-    opts = OutputOptions(
-        body.stop_list(), body.include_stop_str_in_output, body.min_tokens, body.skip_special_tokens, client_stops
-    )
-    events = serve(st.orch, choices, kind, body.hybridpd_prefill_instance, opts)
+    writer = ResponseWriter(kind, st.orch.tokenizer, oid, created, model, lp, bool(body.return_token_ids))
+
+    def built(choices: list[Choice]) -> None:
+        echo = {c.index: c.built.echo for c in choices if c.built.echo is not None}
+        writer.prepare(echo, {c.index: c.built.request.prompt_token_ids for c in choices})
+
+    force = body.hybridpd_prefill_instance
+    events = run_request(st.orch, apis, n, kind, st.served_model, force, built)
     if body.stream:
         head = await anext(events)  # errors before the first token become a proper HTTP status
         return StreamingResponse(_sse(head, events, writer, body, n), media_type="text/event-stream")
+    collect = asyncio.ensure_future(_collect(events, writer, n))
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():  # the client went away: the request's work is aborted on every actor
+            collect.cancel()
+            await asyncio.gather(collect, return_exceptions=True)
+    if collect.cancelled():
+        return Response(status_code=499)  # nobody reads it
+    return JSONResponse(collect.result())
+
+
+async def _collect(events: AsyncIterator[tuple[int, Event]], writer: ResponseWriter, n: int) -> dict[str, Any]:
+    """A non-streaming response's body, once every choice finished."""
     usages: dict[int, Usage] = {}
     async for index, ev in events:
         writer.add(index, ev)
         if ev.usage is not None:
             usages[index] = ev.usage
-    return JSONResponse(writer.body(usage_json(usages, n)))
+    return writer.body(usage_json(usages, n))
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client disconnects (its body was read: ``Gate``)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # -- the rest ---------------------------------------------------------------------------

@@ -67,10 +67,17 @@ class ResponseWriter:
         self.lp = logprobs
         self.return_token_ids = return_token_ids
         #: choice -> the text echoed before it (vLLM: none when the ids are returned instead)
-        self.echo = {} if return_token_ids and kind == "completions" else (echo or {})
+        self.echo: dict[int, str] = {}
         #: choice -> its prompt's ids (``return_token_ids``: completions per choice, chat once)
-        self.prompts = prompts or {}
+        self.prompts: dict[int, tuple[int, ...]] = {}
+        self.prepare(echo or {}, prompts or {})
         self.state: dict[int, _ChoiceState] = {}
+
+    def prepare(self, echo: dict[int, str], prompts: dict[int, tuple[int, ...]]) -> None:
+        """What is known once the request is built, before its first event: each
+        choice's echoed text and prompt ids."""
+        self.echo = {} if self.return_token_ids and self.kind == "completions" else echo
+        self.prompts = prompts
 
     # -- pieces -----------------------------------------------------------------------
     def _token(self, token_id: int) -> str:

@@ -30,11 +30,6 @@ from hybridpd.engine.sampling import StructuredOutput
 from hybridpd.errors import InvalidRequestError
 from services.router.request_fields import refused_fields
 
-MAX_STOP = 4
-#: the most choices one request may ask for (``n`` times the prompts of a batch)
-MAX_CHOICES = 16
-#: the most prompts of one completions batch
-MAX_BATCH = 16
 #: the most top logprobs (vLLM's default ``max_logprobs``)
 MAX_LOGPROBS = 20
 
@@ -111,7 +106,8 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = Field(1, ge=1, le=MAX_CHOICES)
+    #: prompts x n is bounded by the config's ``max_choices`` (``request_builder.check_choices``)
+    n: int | None = Field(1, ge=1)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=2.0)
@@ -132,13 +128,6 @@ class _Common(_Strict):
     return_tokens_as_token_ids: bool | None = None
     cache_salt: str | None = Field(None, max_length=256)
     hybridpd_prefill_instance: str | None = None
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(v, list) and len(v) > MAX_STOP:
-            raise ValueError("at most %d stop sequences" % MAX_STOP)
-        return v
 
     @field_validator("logit_bias")
     @classmethod
@@ -209,8 +198,6 @@ class CompletionRequest(_Common):
             raise ValueError("prompt list must not be empty")
         if isinstance(v[0], int):
             return v
-        if len(v) > MAX_BATCH:
-            raise ValueError("at most %d prompts per request" % MAX_BATCH)
         if any(not p for p in v):
             raise ValueError("no prompt of a batch may be empty")
         return v

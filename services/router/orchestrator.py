@@ -1,6 +1,6 @@
 """The one request flow behind both public APIs, in three parts:
 
-    admission.py  validate, in-flight limit (429), the request's deadline (504)
+    admission.py  in-flight limit (429), the request's deadline (504), validate
     dispatch.py   route (hash chain, ONE index lookup, routing.choose),
                   prefill (one retry elsewhere), decode relay (handoff retry)
     output.py     incremental detokenization, stop strings, usage -> Event
@@ -23,9 +23,11 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
@@ -33,7 +35,7 @@ from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, Token
 from hybridpd.errors import EngineError, InvalidRequestError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
-from services.router.admission import Admission, Deadline
+from services.router.admission import Admission, Deadline, Ticket
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
 from services.router.dispatch import Dispatcher, Flight
 from services.router.metrics import RouterMetrics
@@ -42,6 +44,8 @@ from services.worker.api import DecodeClient, PrefillClient
 from services.worker.messages import PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
+P = ParamSpec("P")
+T = TypeVar("T")
 #: client ids remembered as aborted (``Orchestrator.aborted``)
 MAX_ABORTED = 4096
 
@@ -69,6 +73,8 @@ class _Run:
     #: the prefill instance that served the prompt
     instance: str | None = None
     finish_reason: str | None = None
+    #: the slot this request took itself (it came without a ticket): released at its end
+    own: Ticket | None = None
 
 
 class Orchestrator:
@@ -92,6 +98,9 @@ class Orchestrator:
             tokenizer.vocab_size, cfg.max_model_len, cfg.max_inflight_requests, cfg.request_timeout_s
         )
         self.dispatch = Dispatcher(cfg, index, prefill, decode, metrics)
+        #: tokenizing and chat-template rendering, off the event loop and after admission
+        #: (``off_loop``); bounded: at most ``tokenizer_threads`` run at once
+        self.tokenizer_pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="hybridpd-tokenizer")
         #: answer ids under the text the client got (the next turn's prompt reuses them)
         self.answers = AnswerMemory()
         #: request id -> the actors holding its work (for Abort)
@@ -110,17 +119,24 @@ class Orchestrator:
         stop: tuple[str, ...] | OutputOptions = (),
         answer: AnswerPlan | None = None,
         boundaries: tuple[int, ...] = (),
+        ticket: Ticket | None = None,
     ) -> AsyncIterator[Event]:
         """Serve ``req``: Events until one is finished. Raises InvalidRequestError,
         OverloadedError (before any work), NotFoundError (``force_instance``),
         UnavailableError, DeadlineError. ``api`` labels the request metrics.
         ``answer``: make the answer part of the cached prefix once the request
         ends normally (``answers.py``); ``boundaries``: chat message boundaries
-        the dispatcher may stage (``Built.boundaries``)."""
+        the dispatcher may stage (``Built.boundaries``); ``ticket``: the slots
+        its API request took on admission (``choices.run_request``, which
+        releases them; None: this request takes one slot itself)."""
         if req.request_id in self.running:  # actors key work by id: a second one would clobber the first
             raise InvalidRequestError("request id %s is already in flight" % req.request_id)
-        deadline = self.admission.admit(req)
-        run = _Run(req, api, deadline, Flight(req.request_id), answer=answer, boundaries=boundaries)
+        own = None
+        if ticket is None:
+            ticket = own = self.admission.admit(req)
+        else:
+            self.admission.validate(req)
+        run = _Run(req, api, ticket.deadline, Flight(req.request_id), answer=answer, boundaries=boundaries, own=own)
         self.running[req.request_id] = run.flight
         try:
             pr, split, promised = await self._prefill(run, force_instance)
@@ -134,7 +150,7 @@ class Orchestrator:
                     return
             elif not pr.has_handoff:
                 raise UnavailableError("prefill of %s returned neither a token nor a handoff" % req.request_id)
-            async with aclosing(self.dispatch.decode(pr, req, run.flight, deadline)) as chunks:
+            async with aclosing(self.dispatch.decode(pr, req, run.flight, run.deadline)) as chunks:
                 async for chunk in chunks:
                     ev = self._decoded(run, out, chunk)
                     yield ev
@@ -241,7 +257,8 @@ class Orchestrator:
 
     def _end(self, run: _Run) -> None:
         """Whatever way the request ended: release, abort unless the engines finished it, count."""
-        self.admission.release()
+        if run.own is not None:
+            self.admission.release(run.own)
         rid = run.req.request_id
         if self.running.get(rid) is run.flight:
             del self.running[rid]
@@ -295,6 +312,12 @@ class Orchestrator:
         )
         if self.dispatch.answer(run.instance, warm):
             self.metrics.answer_checkpoints.inc()
+
+    async def off_loop(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args)`` in the tokenizer pool: tokenizing and template rendering never
+        hold the event loop that serves every stream of this router."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.tokenizer_pool, lambda: fn(*args, **kwargs))
 
     def abort(self, request_id: str) -> bool:
         """Abort ``request_id`` (or, for a request of several choices, each of its

@@ -25,8 +25,15 @@ that decides what is served lives here, so HTTP and gRPC are the same product:
   checked against the engine's profile (``engine/profile.py``: a 400 naming the
   field it cannot honour); the tenant's cache salt.
 
-Ranges (temperature, checkpoint positions, context length) are checked on
-admission (``hybridpd/validation.py``), as for every request.
+* bounds, checked before anything is tokenized (:func:`check_bounds`; the
+  config's ``max_*`` fields): stop strings by count and length, the prompt's
+  characters (a chat's: all its messages), the number of messages, bad words
+  and biased tokens; :func:`check_choices`: prompts x ``n``, before admission.
+
+``build`` tokenizes and renders: it runs in the orchestrator's tokenizer pool,
+after admission (``choices.run_request``), never on the event loop. Ranges
+(temperature, checkpoint positions, context length) are checked once built
+(``hybridpd/validation.py``), as for every request.
 """
 
 from __future__ import annotations
@@ -36,19 +43,23 @@ from functools import partial
 
 from hybridpd.auth import ApiKeys
 from hybridpd.checkpoints import merge_requested
+from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, StructuredOutput
 from hybridpd.engine.profile import profile_of
 from hybridpd.errors import InvalidRequestError, NotFoundError
 from hybridpd.tokenizer import ChatMessage, ChatOptions, TextTokenizer
-from hybridpd.validation import check_features, validate_checkpoints
+from hybridpd.validation import MAX_BAD_WORDS, MAX_BIASED_TOKENS, check_features, validate_checkpoints
 from services.router.answers import AnswerPlan
 from services.router.orchestrator import Orchestrator
+from services.router.output import OutputOptions
 
 DEFAULT_MAX_TOKENS = 16
 #: chat: what the context leaves (vLLM's default)
 DEFAULT_CHAT_MAX_TOKENS = 1 << 30
 MAX_REQUEST_ID_CHARS = 128
 MAX_CACHE_SALT_CHARS = 256
+#: what of a client's name (of a model, say) an error message repeats
+MAX_NAME_CHARS = 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +113,10 @@ class ApiRequest:
     #: keep only this many prompt tokens (-1: the context), from ``truncation_side``
     truncate_prompt_tokens: int | None = None
     truncation_side: str = "left"
+    #: how its tokens become text: stop strings and the rest (the same for every choice)
+    output: OutputOptions = field(default_factory=OutputOptions)
+    #: echo the prompt before the answer (``Built.echo``)
+    echo: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,18 +127,56 @@ class Built:
     #: chat on vLLM under branch-aware: the message boundaries, not merged into the request's
     #: checkpoints (the dispatcher stages those worth an engine step once it knows the hit)
     boundaries: tuple[int, ...] = ()
+    #: the text echoed before the answer (``ApiRequest.echo``; vLLM's rule): a text prompt
+    #: as sent, token ids decoded with their special tokens, chat's last message when it
+    #: has the answer's role; None: nothing
+    echo: str | None = None
 
 
-def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
-    """The engine request (and chat plan) for ``api``; raises NotFoundError
-    (another model) or InvalidRequestError (no prompt, over-long ids)."""
-    if api.model and api.model != served_model:
-        raise NotFoundError("model %r is not served here (serving %r)" % (api.model, served_model))
+def check_choices(prompts: int, n: int, cfg: HybridPDConfig) -> None:
+    """InvalidRequestError past ``max_choices`` (prompts x ``n``), or past what the router
+    admits at once (``max_inflight_requests``: each choice holds a slot)."""
+    limit = min(cfg.max_choices, cfg.max_inflight_requests)
+    if prompts * n > limit:
+        raise InvalidRequestError("n: at most %d choices per request (prompts x n), got %d" % (limit, prompts * n))
+
+
+def check_bounds(api: ApiRequest, cfg: HybridPDConfig) -> None:
+    """The request's sizes, before anything of it is tokenized (module docstring);
+    InvalidRequestError naming the field past its bound."""
     if len(api.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id longer than %d characters" % MAX_REQUEST_ID_CHARS)
     if api.cache_salt is not None and len(api.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError("cache_salt longer than %d characters" % MAX_CACHE_SALT_CHARS)
+    stop = api.output.stop
+    if len(stop) > cfg.max_stop_strings:
+        raise InvalidRequestError("stop: at most %d stop strings, got %d" % (cfg.max_stop_strings, len(stop)))
+    longest = max(map(len, stop), default=0)
+    if longest > cfg.max_stop_chars:
+        raise InvalidRequestError("stop: at most %d characters a stop string, got %d" % (cfg.max_stop_chars, longest))
+    if api.messages is not None:
+        if len(api.messages) > cfg.max_messages:
+            raise InvalidRequestError("messages: at most %d, got %d" % (cfg.max_messages, len(api.messages)))
+        chars = sum(len(m.content) + len(m.name or "") for m in api.messages)
+        if chars > cfg.max_prompt_chars:
+            raise InvalidRequestError("messages: at most %d characters in all, got %d" % (cfg.max_prompt_chars, chars))
+    if api.text is not None and len(api.text) > cfg.max_prompt_chars:
+        raise InvalidRequestError("prompt: at most %d characters, got %d" % (cfg.max_prompt_chars, len(api.text)))
+    s = api.sampling
+    if len(s.bad_words) > MAX_BAD_WORDS:
+        raise InvalidRequestError("bad_words: at most %d words, got %d" % (MAX_BAD_WORDS, len(s.bad_words)))
+    if len(s.logit_bias) > MAX_BIASED_TOKENS:
+        raise InvalidRequestError("logit_bias: at most %d tokens, got %d" % (MAX_BIASED_TOKENS, len(s.logit_bias)))
+
+
+def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
+    """The engine request (and chat plan) for ``api``; raises NotFoundError
+    (another model) or InvalidRequestError (no prompt, past a bound). Tokenizes:
+    call it in the tokenizer pool (``Orchestrator.off_loop``)."""
+    if api.model and api.model != served_model:
+        raise NotFoundError("model %r is not served here (serving %r)" % (api.model[:MAX_NAME_CHARS], served_model))
     cfg, tok = orch.cfg, orch.tokenizer
+    check_bounds(api, cfg)
     profile = profile_of(cfg)
     salt = ApiKeys.salt(api.tenant, api.cache_salt)
     checkpoints = list(api.checkpoints)
@@ -175,7 +228,20 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
     sp = sampling_params(s, max_tokens, tok, profile.tokenizer_stop_ids)
     check_features(sp, profile)
     req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
-    return Built(req, plan, boundaries)
+    return Built(req, plan, boundaries, _echo(api, tok) if api.echo else None)
+
+
+def _echo(api: ApiRequest, tok: TextTokenizer) -> str | None:
+    """What vLLM echoes before the answer: the prompt (token ids decoded with their
+    special tokens); on chat the last message, when it has the answer's role
+    (vLLM's ``get_chat_request_role``)."""
+    if api.messages:
+        last = api.messages[-1]
+        role = "assistant" if api.chat.add_generation_prompt else last.role
+        return last.content if last.role == role else None
+    if api.text is not None:
+        return api.text
+    return tok.decode(api.token_ids or (), False)
 
 
 def sampling_params(s: Sampling, max_tokens: int, tok: TextTokenizer, end_of_turn: bool = True) -> SamplingParams:

@@ -88,7 +88,7 @@ def test_a_grpc_chat_builds_what_the_same_http_chat_builds() -> None:
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role=m.role, content=m.content) for m in MSGS]),
         cache_salt="tenant-salt",
     )
-    got = servicer._request(msg)
+    got = build(servicer._request(msg), orch, "tiny")
     # what openai_api builds for {"model": "tiny", "messages": ..., "cache_salt": ...} with no other field
     want = build(_api(messages=MSGS, cache_salt="tenant-salt", sampling=Sampling(temperature=0.0)), orch, "tiny")
     assert got == want
