@@ -5,7 +5,8 @@ service and reflection. Errors become status codes via
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import grpc
 from google.protobuf import json_format
@@ -166,8 +167,18 @@ def _unknown_fields(msg: Message, path: str = "") -> list[str]:
     return out
 
 
-def create_grpc_server(orch: Orchestrator, served_model: str, address: str) -> grpc.aio.Server:
-    server = grpc.aio.server()
+def create_grpc_server(
+    orch: Orchestrator,
+    served_model: str,
+    address: str,
+    options: Sequence[tuple[str, Any]] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+    maximum_concurrent_rpcs: int | None = None,
+) -> grpc.aio.Server:
+    """The gRPC server of ``orch``, on ``address``: ``options`` (channel arguments:
+    message sizes, keep-alive), ``credentials`` (TLS; None: plain text) and
+    ``maximum_concurrent_rpcs`` as the caller (``server.py``) sets them."""
+    server = grpc.aio.server(options=options, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orch, served_model), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -177,7 +188,10 @@ def create_grpc_server(orch: Orchestrator, served_model: str, address: str) -> g
         reflection.SERVICE_NAME,
     )
     reflection.enable_server_reflection(names, server)
-    server.add_insecure_port(address)
+    if credentials is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, credentials)
     server._hybridpd_health = health_servicer
     return server
 
