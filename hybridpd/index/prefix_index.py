@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 import weakref
@@ -163,6 +164,11 @@ def _watch(ref: weakref.ref[PrefixIndex]) -> None:
         except Exception:  # a check that fails leaves the states as they were; the next one retries
             logger.debug("index replica check failed", exc_info=True)
         del index
+
+
+def redacted_url(url: str) -> str:
+    """``url`` as logs and banners may show it: the password of its userinfo as ``***`` (the user stays)."""
+    return re.sub(r"^([a-z][a-z0-9+.-]*://[^:@/?#]*:)[^@/?#]*@", r"\1***@", url, flags=re.I)
 
 
 def _link_up(pool: Any) -> tuple[bool, str]:
@@ -500,7 +506,7 @@ class PrefixIndex:
                 else:
                     opts = {**parse_url(self._url), "host": addr[0], "port": addr[1], **timeouts}
                     pool = redis.ConnectionPool(redis_connect_func=_readonly, **opts)
-                rep = self._replicas[name] = _Replica(name, pool)
+                rep = self._replicas[name] = _Replica(redacted_url(name), pool)
                 rep.check()
             return rep
 
