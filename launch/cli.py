@@ -7,6 +7,7 @@ and ``--help`` always lists exactly the fields that exist.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import sys
 from collections.abc import Callable
@@ -14,6 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 import click
+import yaml
 
 from hybridpd import __version__
 from hybridpd.config import HybridPDConfig, allowed, load_config
@@ -70,13 +72,45 @@ def config() -> None:
 @config_options
 def config_show(fmt: str, config_path: str | None, **flags: Any) -> None:
     """Print the effective config (defaults < --config file < env < flags)."""
-    cfg = build_config(config_path, flags)
+    data = redacted(build_config(config_path, flags))
     if fmt == "json":
-        data = cfg.model_dump(mode="json")
-        data["api_keys"] = ["<redacted>"] * len(data["api_keys"])
         click.echo(json.dumps(data, indent=2))
     else:
-        click.echo(cfg.to_yaml(redact=True), nl=False)
+        click.echo(yaml.safe_dump(data, sort_keys=False), nl=False)
+
+
+def redacted(cfg: HybridPDConfig) -> dict[str, Any]:
+    """The config as a mapping with no secret in it: keys replaced, URL passwords masked."""
+    from hybridpd.index.prefix_index import redacted_url
+
+    data = cfg.model_dump(mode="json")
+    for name in ("api_keys", "operator_api_keys"):
+        data[name] = ["<redacted>"] * len(data[name])
+    for name in ("redis_url", "redis_replica_url"):
+        if data[name]:
+            data[name] = redacted_url(data[name])
+    return data
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def auth_line(cfg: HybridPDConfig) -> str:
+    """The banner's word on who may call the API (never a key)."""
+    if cfg.api_keys or cfg.api_keys_file:
+        return "Bearer API keys required (%s)" % (
+            "%d in the config" % len(cfg.api_keys) if not cfg.api_keys_file else "from %s" % cfg.api_keys_file
+        )
+    if is_loopback(cfg.host):
+        return "none: the API is open to every user of this machine (loopback only)"
+    return "none: the API is OPEN to anyone who reaches %s (set --api-keys or --api-keys-file)" % cfg.host
 
 
 @cli.command()
@@ -103,6 +137,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     from pathlib import Path
 
     from hybridpd.errors import HybridPDError
+    from hybridpd.index.prefix_index import redacted_url
     from hybridpd.logging import setup_logging
     from launch.stack import LocalStack
     from services.router.server import RouterServer
@@ -127,15 +162,17 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
         raise
     actors = [*stack.prefill, *stack.decode]
     click.echo("hybridpd is up (logs in %s)" % wd)
-    click.echo("  OpenAI HTTP          http://%s:%d/v1" % (cfg.host, cfg.http_port))
-    click.echo("  gRPC                 %s:%d" % (cfg.host, cfg.grpc_port))
-    click.echo("  Metrics              http://%s:%d/metrics" % (cfg.host, cfg.http_port))
+    scheme = "https" if cfg.tls_cert_file else "http"
+    click.echo("  OpenAI HTTP          %s://%s:%d/v1" % (scheme, cfg.host, cfg.http_port))
+    click.echo("  gRPC                 %s:%d%s" % (cfg.host, cfg.grpc_port, " (TLS)" if cfg.tls_cert_file else ""))
+    click.echo("  Metrics              %s://%s:%d/metrics" % (scheme, cfg.host, cfg.http_port))
+    click.echo("  Auth                 %s" % auth_line(cfg))
     click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
     if urls.ray_address:
         click.echo("  Ray address          %s" % urls.ray_address)
     if urls.ray_metrics_url:
         click.echo("  Ray metrics (actors) %s" % urls.ray_metrics_url)
-    click.echo("  Redis (prefix index) %s" % urls.redis_url)
+    click.echo("  Redis (prefix index) %s" % redacted_url(urls.redis_url))
     click.echo("  Mooncake master      %s" % urls.mooncake_master)
     click.echo("  Mooncake metadata    %s" % urls.mooncake_metadata_url)
     if urls.mooncake_metrics_url:

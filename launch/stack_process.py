@@ -35,8 +35,13 @@ class StackProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
+    def tls(self) -> bool:
+        """Whether the stack serves HTTPS and gRPC over TLS (``--tls-cert-file``)."""
+        return "--tls-cert-file" in self.extra_args
+
+    @property
     def http(self) -> str:
-        return "http://127.0.0.1:%d" % self.http_port
+        return "%s://127.0.0.1:%d" % ("https" if self.tls else "http", self.http_port)
 
     @property
     def ray_metrics(self) -> str:
@@ -101,7 +106,8 @@ class StackProcess:
         """``hybridpd up`` flags that start another router on this stack's Redis, store,
         Ray cluster and actors (``worker_groups``: it attaches to the named actors,
         never creates or closes them), as the Helm chart's router replicas attach.
-        The flags of a later ``--redis-cluster`` stay the caller's to add."""
+        The flags of a later ``--redis-cluster`` stay the caller's to add; a Redis URL with a
+        password is printed masked, so such a stack's caller adds its own ``--redis-url``."""
         return [
             "--ray-address",
             self.banner("Ray address"),
