@@ -6,6 +6,7 @@ rendered config file loaded by hybridpd.config."""
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from redis.connection import SSLConnection, parse_url
 
 from hybridpd.config import load_config
 from tests.integration.crd_schema import crd_schema, to_json_schema
@@ -27,8 +29,10 @@ CHART = ROOT / "deploy" / "helm" / "hybridpd"
 HERE = Path(__file__).parent / "helm"
 NODE_MODULES = ROOT / ".cache" / "npm" / "node_modules"
 K8S_VERSION = "1.30.0"
-VALUE_SETS = ["default", "gpu", "external-redis", "external-redis-cluster", "minimal"]
+VALUE_SETS = ["default", "gpu", "external-redis", "external-redis-cluster", "minimal", "redis-tls"]
 CRD_GROUPS = ("ray.io/", "monitoring.coreos.com/")
+#: an API key for renders that need one (the chart refuses to render without)
+KEY = "ci-tenant-key-1"
 # KubeRay v1.7.0's RayCluster CRD, unchanged: shared/ sits beside the repository (see its README)
 RAYCLUSTER_CRD = ROOT.parent / "shared" / "fixtures" / "kuberay" / "ray.io_rayclusters.yaml"
 
@@ -113,7 +117,7 @@ def test_builtin_kinds_pass_kubernetes_validate_strict(name: str, rendered: dict
 
 
 def test_kubernetes_validate_catches_a_bad_object() -> None:
-    doc = _one(_render({}), "Deployment", "-router")
+    doc = _one(_render(_values("default")), "Deployment", "-router")
     doc["spec"]["template"]["spec"]["containers"][0]["imagePullPolicy"] = 7
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
@@ -284,13 +288,37 @@ def test_rules_and_dashboards_are_the_repositorys(rendered: dict[str, list[dict[
         assert json.loads(text) == boards[fname]
 
 
+def _mounted_files(router: dict[str, Any], data: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """``data`` (a rendered config) with every file it names (keys, TLS) made under ``tmp_path``,
+    after checking that each lies in a Secret the router pod mounts: the config loads only with them."""
+    pod = router["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+    secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    out = dict(data)
+    for field in ("api_keys_file", "operator_api_keys_file", "tls_cert_file", "tls_key_file"):
+        if out.get(field):
+            folder, _, name = out[field].rpartition("/")
+            assert mounts.get(folder) in secrets, (field, out[field], mounts)
+            items = secrets[mounts[folder]].get("items")
+            assert items is None or name in [i["path"] for i in items], (field, items)
+            (tmp_path / name).write_text("x\n")
+            out[field] = str(tmp_path / name)
+    return out
+
+
+def _with_password(url: str, password: str) -> str:
+    """What the pod's HYBRIDPD_REDIS_URL is once Kubernetes expands $(REDIS_PASSWORD)."""
+    return url.replace("$(REDIS_PASSWORD)", password)
+
+
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_rendered_config_file_loads_with_hybridpd_config(
     name: str, rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:
     cm = _one(rendered[name], "ConfigMap", "-config")
+    router = _one(rendered[name], "Deployment", "-router")
     path = tmp_path / "config.yaml"
-    path.write_text(cm["data"]["config.yaml"])
+    path.write_text(yaml.safe_dump(_mounted_files(router, yaml.safe_load(cm["data"]["config.yaml"]), tmp_path)))
     cfg = load_config(path, env={})
     v = _values(name)
     for key, value in v.get("config", {}).items():
@@ -302,29 +330,37 @@ def test_rendered_config_file_loads_with_hybridpd_config(
     assert cfg.mooncake_master and cfg.mooncake_metadata_url and cfg.redis_url
     assert cfg.redis_cluster == v.get("redis", {}).get("cluster", False)
     assert cfg.redis_read_replicas == v.get("redis", {}).get("readReplicas", False)
-    assert cfg.redis_replica_url == (v.get("redis", {}).get("replicaUrl") or None)
+    assert (cfg.redis_replica_url or "").startswith(v.get("redis", {}).get("replicaUrl") or "")
+    assert cfg.cache_details == "operator"  # the hybridpd_* usage fields: operator keys only
+    assert cfg.api_keys == [] and (cfg.api_keys_file is None) == v.get("auth", {}).get("allowAnonymous", False)
+    assert (cfg.tls_cert_file is None) == (not v.get("tls", {}).get("secretName"))
     ray_values = v.get("ray", {})
     assert cfg.prefill_resource == ray_values.get("prefill", {}).get("resource", "hybridpd_prefill")
     assert cfg.decode_resource == ray_values.get("decode", {}).get("resource", "hybridpd_decode")
     # the router's env (password from the Secret) overrides the file, as in the pod
-    router = _one(rendered[name], "Deployment", "-router")
     env = {e["name"]: e for e in router["spec"]["template"]["spec"]["containers"][0].get("env", [])}
+    assert "HYBRIDPD_API_KEYS" not in env  # keys are files of a Secret, read again when it changes
     if "HYBRIDPD_REDIS_URL" in env:
-        url = env["HYBRIDPD_REDIS_URL"]["value"].replace("$(REDIS_PASSWORD)", "s3cret")
+        url = _with_password(env["HYBRIDPD_REDIS_URL"]["value"], "s3cret")
         assert load_config(path, env={"HYBRIDPD_REDIS_URL": url}).redis_url == url
-        assert ":s3cret@" in url
+        got = parse_url(url)
+        assert got["password"] == "s3cret" and got.get("username") == parse_url(cfg.redis_url).get("username")
+        assert {k: val for k, val in got.items() if k != "password"} == parse_url(cfg.redis_url)
     if cfg.redis_replica_url:  # the replica's URL gets the same password, from the same Secret
-        replica = env["HYBRIDPD_REDIS_REPLICA_URL"]["value"].replace("$(REDIS_PASSWORD)", "s3cret")
-        assert replica == cfg.redis_replica_url.replace("redis://", "redis://:s3cret@")
+        replica = _with_password(env["HYBRIDPD_REDIS_REPLICA_URL"]["value"], "s3cret")
+        assert parse_url(replica) == {**parse_url(cfg.redis_replica_url), "password": "s3cret"}
         assert load_config(path, env={"HYBRIDPD_REDIS_REPLICA_URL": replica}).redis_replica_url == replica
 
 
-def test_probes_use_the_routers_health_endpoints(rendered: dict[str, list[dict[str, Any]]]) -> None:
-    c = _one(rendered["default"], "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_probes_use_the_routers_health_endpoints(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    c = _one(rendered[name], "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
-    assert c["livenessProbe"]["grpc"]["port"] == ports["grpc"] == 50051  # grpc.health.v1, served by the router
-    assert ports["http"] == 8000
+    scheme = "HTTPS" if _values(name).get("tls", {}).get("secretName") else "HTTP"
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http", "scheme": scheme}  # can serve
+    for probe in ("livenessProbe", "startupProbe"):  # the process answers
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http", "scheme": scheme}
+    assert ports == {"http": 8000, "grpc": 50051}
 
 
 def test_only_the_router_is_reachable_from_outside(rendered: dict[str, list[dict[str, Any]]]) -> None:
@@ -381,15 +417,158 @@ def test_only_the_router_is_reachable_from_outside(rendered: dict[str, list[dict
         ({"mooncake": {"enabled": False}}, "set mooncake.externalMaster"),
         ({"router": {"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}}, "exceeds maxReplicas"),
         ({"router": {"podDisruptionBudget": {"minAvailable": 2}}}, "must be below the router replicas"),
-        ({"apiKeys": {"enabled": True}}, "set apiKeys.keys or apiKeys.existingSecret"),
+        ({}, "no API keys: set auth.apiKeys"),
+        ({"auth": {"apiKeys": ["short"]}}, "/auth/apiKeys/0"),
+        ({"auth": {"apiKeys": ["#commented-out"]}}, "/auth/apiKeys/0"),
+        ({"auth": {"allowAnonymous": True, "apiKeys": [KEY]}}, "choose one"),
+        ({"auth": {"apiKeys": [KEY], "operatorKeys": [KEY], "operatorKeysSecretKey": ""}}, "name their key"),
+        ({"auth": {"existingSecret": "mine", "apiKeys": [KEY]}}, "unset auth.apiKeys"),
         ({"redis": {"enabled": False, "externalUrl": "redis://:pw@r:6379"}}, "/redis/externalUrl"),
+        ({"redis": {"enabled": False, "externalUrl": "rediss://user:pw@r:6380"}}, "/redis/externalUrl"),
+        ({"redis": {"enabled": False, "externalUrl": "redis://r:6379", "tls": {"secretName": "t"}}}, "bundled Redis"),
+        ({"redis": {"tls": {"caSecret": "ca"}}}, "for an external Redis"),
+        ({"redis": {"enabled": False, "externalUrl": "redis://r:6379", "tls": {"caSecret": "ca"}}}, "not a rediss://"),
+        (
+            {
+                "redis": {
+                    "enabled": False,
+                    "externalUrl": "rediss://u@r:6380/0",
+                    "readReplicas": True,
+                    "replicaUrl": "redis://q:6379/0",
+                }
+            },
+            "must both be rediss:// (TLS) or both redis://",
+        ),
         ({"monitoring": {"serviceMonitor": {"interval": "often"}}}, "/monitoring/serviceMonitor/interval"),
     ],
 )
 def test_invalid_values_fail_with_a_clear_message(values: dict[str, Any], message: str) -> None:
+    if "auth" not in values and message != "no API keys: set auth.apiKeys":
+        values = {**values, "auth": {"apiKeys": [KEY]}}  # every other case has its keys
     with pytest.raises(helm.HelmError) as err:
         _render(values)
     assert message in str(err.value), str(err.value)
+
+
+def _router_pod(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return _one(docs, "Deployment", "-router")["spec"]["template"]["spec"]
+
+
+def _config(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(_one(docs, "ConfigMap", "-config")["data"]["config.yaml"])
+
+
+def _secret_data(docs: list[dict[str, Any]], suffix: str) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in _one(docs, "Secret", suffix)["data"].items()}
+
+
+def test_the_default_render_is_refused_without_keys() -> None:
+    with pytest.raises(helm.HelmError) as err:
+        _render({})
+    assert "no API keys" in str(err.value) and "auth.allowAnonymous=true" in str(err.value)
+
+
+def test_allow_anonymous_renders_without_keys() -> None:
+    docs = _render({"auth": {"allowAnonymous": True}})
+    cfg = _config(docs)
+    assert "api_keys_file" not in cfg and "operator_api_keys_file" not in cfg and cfg["cache_details"] == "operator"
+    assert not [s for s in _by_kind(docs, "Secret") if s["metadata"]["name"].endswith("-keys")]
+    assert "keys" not in {v["name"] for v in _router_pod(docs)["volumes"]}
+    # operator keys may guard /v1/hybridpd/* of an anonymous API
+    docs = _render({"auth": {"allowAnonymous": True, "operatorKeys": [KEY]}})
+    assert _secret_data(docs, "-keys") == {"operator-keys": KEY + "\n"}
+    assert "api_keys_file" not in _config(docs) and _config(docs)["operator_api_keys_file"].endswith("/operator-keys")
+
+
+def test_keys_are_files_of_a_mounted_secret() -> None:
+    docs = _render({"auth": {"apiKeys": [KEY, KEY + "-2"], "operatorKeys": [KEY + "-op"]}})
+    assert _secret_data(docs, "-keys") == {"api-keys": "%s\n%s-2\n" % (KEY, KEY), "operator-keys": KEY + "-op\n"}
+    pod, cfg = _router_pod(docs), _config(docs)
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "keys"]
+    # the whole Secret, no items and no subPath: the kubelet updates the files when it changes
+    assert vol["secret"] == {"secretName": "hpd-hybridpd-keys"}
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "keys"]
+    assert "subPath" not in mount and mount["readOnly"]
+    assert cfg["api_keys_file"] == mount["mountPath"] + "/api-keys"
+    assert cfg["operator_api_keys_file"] == mount["mountPath"] + "/operator-keys"
+    assert KEY not in json.dumps([d for d in docs if d["kind"] != "Secret"])  # nowhere but in the Secret
+    # an existing Secret: the chart makes none, mounts that one
+    docs = _render({"auth": {"existingSecret": "team-keys", "apiKeysSecretKey": "tenants"}})
+    assert not [s for s in _by_kind(docs, "Secret") if s["metadata"]["name"].endswith("-keys")]
+    assert [v["secret"] for v in _router_pod(docs)["volumes"] if v["name"] == "keys"] == [{"secretName": "team-keys"}]
+    assert _config(docs)["api_keys_file"].endswith("/tenants")
+
+
+def test_tls_values_render_and_mount() -> None:
+    docs = _render({"auth": {"apiKeys": [KEY]}, "tls": {"secretName": "router-tls"}})
+    pod, cfg = _router_pod(docs), _config(docs)
+    (vol,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+    assert vol["secret"]["secretName"] == "router-tls"
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "tls"]
+    assert cfg["tls_cert_file"] == mount["mountPath"] + "/tls.crt"
+    assert cfg["tls_key_file"] == mount["mountPath"] + "/tls.key"
+    assert {i["path"] for i in vol["secret"]["items"]} == {"tls.crt", "tls.key"}
+    c = pod["containers"][0]
+    assert {c[p]["httpGet"]["scheme"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {"HTTPS"}
+    notes = helm.Chart.load(CHART).render(
+        {"auth": {"apiKeys": [KEY]}, "tls": {"secretName": "router-tls"}}, name="hpd", namespace="serving"
+    )["hybridpd/templates/NOTES.txt"]
+    assert "https://127.0.0.1:8000/v1" in notes and "http://127.0.0.1:8000" not in notes
+    plain = _router_pod(_render({"auth": {"apiKeys": [KEY]}}))
+    assert "tls" not in {v["name"] for v in plain["volumes"]} and "tls_cert_file" not in _config(
+        _render({"auth": {"apiKeys": [KEY]}})
+    )
+
+
+def test_the_servicemonitor_scrapes_https_with_the_routers_ca(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    (endpoint,) = _one(rendered["gpu"], "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["scheme"] == "https"
+    assert endpoint["tlsConfig"] == {
+        "ca": {"secret": {"name": "hpd-router-tls", "key": "ca.crt"}},
+        "serverName": "hpd-hybridpd-router",
+    }
+
+
+def test_rediss_with_an_acl_user_renders_a_correct_url(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["external-redis"]
+    env = {e["name"]: e.get("value") for e in _router_pod(docs)["containers"][0]["env"]}
+    ca = "/etc/hybridpd-redis-ca/ca.crt"
+    want = "rediss://hpd-index:$(REDIS_PASSWORD)@redis.data.svc.cluster.local:6380/2?ssl_ca_certs=" + ca
+    assert env["HYBRIDPD_REDIS_URL"] == want
+    got = parse_url(_with_password(want, "s3cret"))
+    assert (got["username"], got["password"], got["host"], got["port"], got["db"]) == (
+        "hpd-index",
+        "s3cret",
+        "redis.data.svc.cluster.local",
+        6380,
+        2,
+    )
+    assert got["connection_class"] is SSLConnection and got["ssl_ca_certs"] == ca
+    assert env["HYBRIDPD_REDIS_REPLICA_URL"].startswith("rediss://hpd-index:$(REDIS_PASSWORD)@redis-replica.")
+    # every pod that connects to Redis (router, Ray pods: the actors) has the CA at that path
+    rc = _one(docs, "RayCluster")
+    templates = [rc["spec"]["headGroupSpec"]["template"], *[g["template"] for g in rc["spec"]["workerGroupSpecs"]]]
+    for pod in [_router_pod(docs), *[t["spec"] for t in templates]]:
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        vols = {v["name"]: v for v in pod["volumes"]}
+        assert vols[mounts["/etc/hybridpd-redis-ca"]]["secret"]["secretName"] == "data-redis-ca"
+    # without a user the password goes in as the default user's
+    plain = _render(
+        {"auth": {"apiKeys": [KEY]}, "redis": {"enabled": False, "externalUrl": "rediss://r.example:6380/0"}}
+    )
+    env = {e["name"]: e.get("value") for e in _router_pod(plain)["containers"][0]["env"]}
+    assert env["HYBRIDPD_REDIS_URL"] == "rediss://:$(REDIS_PASSWORD)@r.example:6380/0"
+
+
+def test_the_bundled_redis_serves_tls_from_its_secret(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered["redis-tls"]
+    redis = _one(docs, "StatefulSet")["spec"]["template"]["spec"]
+    args = redis["containers"][0]["args"][0].split()
+    assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-port") + 1] == "6379"
+    assert {"--tls-cert-file", "--tls-key-file", "--requirepass"} <= set(args)
+    assert [v["secret"]["secretName"] for v in redis["volumes"]] == ["hpd-redis-tls"]
+    url = _config(docs)["redis_url"]
+    assert url == "rediss://hpd-hybridpd-redis:6379/0?ssl_ca_certs=/etc/hybridpd-redis-ca/ca.crt"
 
 
 def _keys_with_paths(text: str) -> list[tuple[list[str], int]]:
@@ -440,5 +619,5 @@ def test_dockerfile_copies_what_exists_and_runs_the_cli() -> None:
             for src in line.split()[1:-1]:
                 assert (ROOT / src).exists(), src
     assert 'CMD ["hybridpd", "up", "--config", "/etc/hybridpd/config.yaml"]' in text
-    router = _one(_render({}), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    router = _one(_render(_values("default")), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     assert "hybridpd up --config /etc/hybridpd/config.yaml" in router["args"][0]

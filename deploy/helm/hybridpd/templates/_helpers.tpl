@@ -48,12 +48,67 @@ app.kubernetes.io/part-of: hybridpd
 {{- printf "%s-redis:%d" (include "hybridpd.fullname" .) (int .Values.redis.port) -}}
 {{- end -}}
 
+{{/* Where the router and Ray pods mount what the chart hands them as files. */}}
+{{- define "hybridpd.keysDir" -}}/etc/hybridpd-keys{{- end -}}
+{{- define "hybridpd.tlsDir" -}}/etc/hybridpd-tls{{- end -}}
+{{- define "hybridpd.redisCaDir" -}}/etc/hybridpd-redis-ca{{- end -}}
+
+{{/* The Secret whose ca.crt hybridpd trusts for Redis over TLS ("": the system CAs, or no TLS). */}}
+{{- define "hybridpd.redisCaSecret" -}}
+{{- if .Values.redis.enabled -}}
+{{- .Values.redis.tls.secretName -}}
+{{- else -}}
+{{- .Values.redis.tls.caSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* .url with the mounted CA as redis-py's ssl_ca_certs, when there is one to trust. */}}
+{{- define "hybridpd.withRedisCa" -}}
+{{- if include "hybridpd.redisCaSecret" .root -}}
+{{- printf "%s%sssl_ca_certs=%s/ca.crt" .url (ternary "&" "?" (contains "?" .url)) (include "hybridpd.redisCaDir" .root) -}}
+{{- else -}}
+{{- .url -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The volume of the Redis CA (mounted at hybridpd.redisCaDir), if there is one to trust. */}}
+{{- define "hybridpd.redisCaVolume" -}}
+{{- with include "hybridpd.redisCaSecret" . -}}
+- name: redis-ca
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: ca.crt
+        path: ca.crt
+{{- end }}
+{{- end -}}
+
 {{/* Redis URL without the password (the password travels in a Secret and env var). */}}
 {{- define "hybridpd.redisUrl" -}}
 {{- if .Values.redis.enabled -}}
-{{- printf "redis://%s/0" (include "hybridpd.redisHostPort" .) -}}
+{{- $scheme := ternary "rediss" "redis" (ne .Values.redis.tls.secretName "") -}}
+{{- include "hybridpd.withRedisCa" (dict "root" . "url" (printf "%s://%s/0" $scheme (include "hybridpd.redisHostPort" .))) -}}
 {{- else -}}
-{{- .Values.redis.externalUrl -}}
+{{- include "hybridpd.withRedisCa" (dict "root" . "url" .Values.redis.externalUrl) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "hybridpd.redisReplicaUrl" -}}
+{{- if .Values.redis.replicaUrl -}}
+{{- include "hybridpd.withRedisCa" (dict "root" . "url" .Values.redis.replicaUrl) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+A Redis URL with the password from the env var REDIS_PASSWORD spliced in (Kubernetes
+expands $(REDIS_PASSWORD)): after the ACL user of rediss://user@host, else as the
+default user's, redis://:password@host.
+*/}}
+{{- define "hybridpd.withRedisPassword" -}}
+{{- if regexMatch "^rediss?://[^:@/?#]+@" . -}}
+{{- regexReplaceAll "^(rediss?://[^:@/?#]+)@" . "${1}:$$(REDIS_PASSWORD)@" -}}
+{{- else -}}
+{{- regexReplaceAll "^(rediss?://)" . "${1}:$$(REDIS_PASSWORD)@" -}}
 {{- end -}}
 {{- end -}}
 
@@ -61,8 +116,15 @@ app.kubernetes.io/part-of: hybridpd
 {{- default (printf "%s-redis" (include "hybridpd.fullname" .)) .Values.redis.auth.existingSecret -}}
 {{- end -}}
 
-{{- define "hybridpd.apiKeysSecretName" -}}
-{{- default (printf "%s-api-keys" (include "hybridpd.fullname" .)) .Values.apiKeys.existingSecret -}}
+{{/* The Secret with the key files: the chart's, or auth.existingSecret. */}}
+{{- define "hybridpd.keysSecretName" -}}
+{{- default (printf "%s-keys" (include "hybridpd.fullname" .)) .Values.auth.existingSecret -}}
+{{- end -}}
+
+{{/* "true" when the router mounts a keys Secret: API keys, or operator keys of an anonymous API. */}}
+{{- define "hybridpd.mountKeys" -}}
+{{- $a := .Values.auth -}}
+{{- if or (not $a.allowAnonymous) $a.existingSecret (and $a.operatorKeys $a.operatorKeysSecretKey) -}}true{{- end -}}
 {{- end -}}
 
 {{- define "hybridpd.mooncakeMaster" -}}
@@ -85,8 +147,7 @@ app.kubernetes.io/part-of: hybridpd
 
 {{/*
 The environment every hybridpd process needs: the Redis URL with the password
-from its Secret (env overrides the config file, see hybridpd/config.py) and
-the API keys.
+from its Secret (env overrides the config file, see hybridpd/config.py).
 */}}
 {{- define "hybridpd.secretEnv" -}}
 {{- if .Values.redis.auth.enabled }}
@@ -96,18 +157,11 @@ the API keys.
       name: {{ include "hybridpd.redisSecretName" . }}
       key: {{ .Values.redis.auth.secretKey }}
 - name: HYBRIDPD_REDIS_URL
-  value: {{ include "hybridpd.redisUrl" . | replace "redis://" "redis://:$(REDIS_PASSWORD)@" | replace "rediss://" "rediss://:$(REDIS_PASSWORD)@" | quote }}
+  value: {{ include "hybridpd.withRedisPassword" (include "hybridpd.redisUrl" .) | quote }}
 {{- if .Values.redis.replicaUrl }}
 - name: HYBRIDPD_REDIS_REPLICA_URL
-  value: {{ .Values.redis.replicaUrl | replace "redis://" "redis://:$(REDIS_PASSWORD)@" | replace "rediss://" "rediss://:$(REDIS_PASSWORD)@" | quote }}
+  value: {{ include "hybridpd.withRedisPassword" (include "hybridpd.redisReplicaUrl" .) | quote }}
 {{- end }}
-{{- end }}
-{{- if .Values.apiKeys.enabled }}
-- name: HYBRIDPD_API_KEYS
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "hybridpd.apiKeysSecretName" . }}
-      key: {{ .Values.apiKeys.secretKey }}
 {{- end }}
 {{- end -}}
 

@@ -33,11 +33,20 @@ spec:
       volumeMounts:
         - name: shm
           mountPath: /dev/shm
+        {{- if include "hybridpd.redisCaSecret" .root }}
+        # the actors connect to Redis with the router's URL, whose ssl_ca_certs names this file
+        - name: redis-ca
+          mountPath: {{ include "hybridpd.redisCaDir" .root }}
+          readOnly: true
+        {{- end }}
   volumes:
     # Ray's object store lives in shared memory
     - name: shm
       emptyDir:
         medium: Memory
+    {{- with include "hybridpd.redisCaVolume" .root }}
+    {{- . | nindent 4 }}
+    {{- end }}
   {{- with .nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}

@@ -22,7 +22,7 @@
 {{- if and .Values.redis.replicaUrl (not .Values.redis.readReplicas) -}}
 {{- fail "redis.replicaUrl is read only with redis.readReplicas: set that too" -}}
 {{- end -}}
-{{- if and .Values.redis.cluster (regexMatch "/[1-9][0-9]*$" .Values.redis.externalUrl) -}}
+{{- if and .Values.redis.cluster (regexMatch "/[1-9][0-9]*([?].*)?$" .Values.redis.externalUrl) -}}
 {{- fail "redis.cluster: a Redis Cluster has database 0 only; end redis.externalUrl with /0 or no database" -}}
 {{- end -}}
 {{- if eq .Values.ray.prefill.resource .Values.ray.decode.resource -}}
@@ -54,8 +54,30 @@
 {{- if and .Values.router.podDisruptionBudget.enabled (ge (int .Values.router.podDisruptionBudget.minAvailable) (int $replicas)) -}}
 {{- fail (printf "router.podDisruptionBudget.minAvailable (%d) must be below the router replicas (%d), or no pod could ever be evicted" (int .Values.router.podDisruptionBudget.minAvailable) (int $replicas)) -}}
 {{- end -}}
-{{- if and .Values.apiKeys.enabled (not .Values.apiKeys.existingSecret) (not .Values.apiKeys.keys) -}}
-{{- fail "apiKeys.enabled is true: set apiKeys.keys or apiKeys.existingSecret" -}}
+{{- $a := .Values.auth -}}
+{{- if and (not $a.allowAnonymous) (not $a.existingSecret) (not $a.apiKeys) -}}
+{{- fail "no API keys: set auth.apiKeys (or auth.existingSecret, a Secret with the key files); auth.allowAnonymous=true serves anyone who reaches the router" -}}
+{{- end -}}
+{{- if and $a.allowAnonymous $a.apiKeys -}}
+{{- fail "auth.allowAnonymous is true and auth.apiKeys are set: choose one (operator keys may stay)" -}}
+{{- end -}}
+{{- if and $a.operatorKeys (not $a.operatorKeysSecretKey) -}}
+{{- fail "auth.operatorKeys are set but auth.operatorKeysSecretKey is empty: name their key in the Secret" -}}
+{{- end -}}
+{{- if and $a.existingSecret (or $a.apiKeys $a.operatorKeys) -}}
+{{- fail "auth.existingSecret holds the keys: unset auth.apiKeys and auth.operatorKeys" -}}
+{{- end -}}
+{{- if and .Values.redis.tls.secretName (not .Values.redis.enabled) -}}
+{{- fail "redis.tls.secretName is for the bundled Redis: give redis.externalUrl a rediss:// URL (redis.tls.caSecret for a private CA)" -}}
+{{- end -}}
+{{- if and .Values.redis.tls.caSecret .Values.redis.enabled -}}
+{{- fail "redis.tls.caSecret is for an external Redis: the bundled one trusts the ca.crt of redis.tls.secretName" -}}
+{{- end -}}
+{{- if and .Values.redis.tls.caSecret (not (hasPrefix "rediss://" .Values.redis.externalUrl)) -}}
+{{- fail "redis.tls.caSecret: redis.externalUrl is not a rediss:// URL" -}}
+{{- end -}}
+{{- if and .Values.redis.replicaUrl (ne (hasPrefix "rediss://" .Values.redis.replicaUrl) (hasPrefix "rediss://" .Values.redis.externalUrl)) -}}
+{{- fail "redis.replicaUrl and redis.externalUrl must both be rediss:// (TLS) or both redis://" -}}
 {{- end -}}
 {{- if eq (int .Values.router.service.httpPort) (int .Values.router.service.grpcPort) -}}
 {{- fail "router.service.httpPort and grpcPort must differ" -}}
