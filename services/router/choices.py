@@ -20,6 +20,7 @@ request's slots are released when its last choice ended, whichever way.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -30,7 +31,9 @@ from hybridpd.validation import GREEDY_EPS, SEED_MAX
 from services.router.admission import Ticket
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions
-from services.router.request_builder import ApiRequest, Built, build, check_choices
+from services.router.request_builder import ApiRequest, Built, build, check_choices, loggable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +63,9 @@ async def run_request(
     ``on_built`` told its choices, and every choice's events as :func:`serve` gives
     them. Its slots are released when this generator ends or is closed."""
     check_choices(len(apis), n, orch.cfg)
+    client = apis[0].client_id
+    if client is not None:
+        logger.info("request %s: client request id %s", apis[0].request_id, loggable(client))
     ticket = orch.admission.enter(len(apis) * n)
     try:
         builts = [await orch.off_loop(build, a, orch, served_model) for a in apis]

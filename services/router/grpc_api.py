@@ -1,11 +1,16 @@
 """gRPC ``hybridpd.v1.Generation`` (Generate, Abort) plus the standard health
 service and reflection. Errors become status codes via
-``hybridpd.errors.grpc_code``; a cancelled stream aborts the request."""
+``hybridpd.errors.grpc_code``; a cancelled stream aborts the request.
+
+Ids: the server gives every request its own (``request_builder.new_request_id``);
+a client's ``request_id`` is echoed in every response (none sent: the server's),
+and ``Abort`` of that id reaches only the requests of the caller's own key (its
+tenant) that go by it, every one of them: two clients may use the same id."""
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
+from contextlib import aclosing, contextmanager
 from typing import Any
 
 import grpc
@@ -23,7 +28,7 @@ from hybridpd.v1 import generate_pb2, generate_pb2_grpc
 from services.router.choices import run_request
 from services.router.orchestrator import Orchestrator
 from services.router.output import OutputOptions
-from services.router.request_builder import ApiRequest, Sampling
+from services.router.request_builder import ApiRequest, Sampling, new_request_id
 
 _REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -37,13 +42,30 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.orch = orch
         self.served_model = served_model
         self.keys = ApiKeys(orch.cfg.api_keys)
+        #: (tenant, the id the client knows) -> the server's ids of its requests in flight
+        self.known: dict[tuple[str | None, str], set[str]] = {}
+
+    @contextmanager
+    def _known(self, tenant: str | None, visible: str, request_id: str) -> Iterator[None]:
+        """While a request runs, ``Abort`` of ``visible`` by ``tenant`` finds it."""
+        key = (tenant, visible)
+        self.known.setdefault(key, set()).add(request_id)
+        try:
+            yield
+        finally:
+            ids = self.known[key]
+            ids.discard(request_id)
+            if not ids:
+                del self.known[key]
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
         meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         auth = meta.get("authorization")
         return self.keys.tenant(auth if isinstance(auth, str) else None)
 
-    def _request(self, msg: generate_pb2.GenerateRequest, tenant: str | None = None) -> ApiRequest:
+    def _request(
+        self, msg: generate_pb2.GenerateRequest, tenant: str | None = None, request_id: str | None = None
+    ) -> ApiRequest:
         """Parse ``msg`` (proto3: 0 / empty means unset) into what HTTP parses a body
         into; ``request_builder.build`` builds both alike (chat with boundaries and
         answer checkpoints). A field this server does not know (a newer client's) is
@@ -64,7 +86,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         skip = s.skip_special_tokens if s.HasField("skip_special_tokens") else True
         output = OutputOptions(tuple(s.stop), s.include_stop_str_in_output, s.min_tokens, skip, tuple(s.stop_token_ids))
         return ApiRequest(
-            msg.request_id or uuid.uuid4().hex,
+            request_id or new_request_id(),
             msg.model or self.served_model,
             _sampling(s),
             text=msg.text if which == "text" else None,
@@ -76,47 +98,62 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             chat=chat,
             add_special_tokens=which == "text",  # vLLM's completions default
             output=output,
+            client_id=msg.request_id or None,
         )
 
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            api = self._request(request, self._tenant(context))
-            n = request.sampling.n or 1
-            async for index, ev in run_request(self.orch, [api], n, "grpc", self.served_model):
-                resp = generate_pb2.GenerateResponse(
-                    request_id=api.request_id, token_ids=list(ev.token_ids), text=ev.text, index=index
-                )
-                for lp in ev.logprobs or ():
-                    top = [generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
-                    resp.logprobs.append(generate_pb2.TokenLogprob(logprob=lp.logprob, rank=lp.rank, top=top))
-                if isinstance(ev.stop_reason, str):
-                    resp.stop_string = ev.stop_reason
-                elif isinstance(ev.stop_reason, int):
-                    resp.stop_token_id = ev.stop_reason
-                if ev.finished and ev.usage is not None:
-                    resp.finish_reason = _REASONS.get(ev.finish_reason or "", generate_pb2.FINISH_REASON_UNSPECIFIED)
-                    resp.usage.CopyFrom(
-                        generate_pb2.Usage(
-                            prompt_tokens=ev.usage.prompt_tokens,
-                            cached_tokens=ev.usage.cached_tokens,
-                            completion_tokens=ev.usage.completion_tokens,
-                            promised_tokens=ev.usage.promised_tokens,
-                        )
-                    )
-                yield resp
+            tenant = self._tenant(context)
+            api = self._request(request, tenant)
+            n, visible = request.sampling.n or 1, api.client_id or api.request_id
+            with self._known(tenant, visible, api.request_id):
+                async with aclosing(self._responses(api, n, visible)) as responses:
+                    async for resp in responses:
+                        yield resp
         except HybridPDError as exc:
             await context.abort(grpc_code(exc), describe(exc))
+
+    async def _responses(
+        self, api: ApiRequest, n: int, visible: str
+    ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        """The responses of one Generate, each with the id the client knows (``visible``)."""
+        async for index, ev in run_request(self.orch, [api], n, "grpc", self.served_model):
+            resp = generate_pb2.GenerateResponse(
+                request_id=visible, token_ids=list(ev.token_ids), text=ev.text, index=index
+            )
+            for lp in ev.logprobs or ():
+                top = [generate_pb2.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]
+                resp.logprobs.append(generate_pb2.TokenLogprob(logprob=lp.logprob, rank=lp.rank, top=top))
+            if isinstance(ev.stop_reason, str):
+                resp.stop_string = ev.stop_reason
+            elif isinstance(ev.stop_reason, int):
+                resp.stop_token_id = ev.stop_reason
+            if ev.finished and ev.usage is not None:
+                resp.finish_reason = _REASONS.get(ev.finish_reason or "", generate_pb2.FINISH_REASON_UNSPECIFIED)
+                resp.usage.CopyFrom(
+                    generate_pb2.Usage(
+                        prompt_tokens=ev.usage.prompt_tokens,
+                        cached_tokens=ev.usage.cached_tokens,
+                        completion_tokens=ev.usage.completion_tokens,
+                        promised_tokens=ev.usage.promised_tokens,
+                    )
+                )
+            yield resp
 
     async def Abort(
         self, request: generate_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.AbortResponse:
+        """Abort the caller's own requests that go by ``request_id`` (its key's: its tenant's)."""
+        tenant = None
         try:
-            self._tenant(context)
+            tenant = self._tenant(context)
         except HybridPDError as exc:
             await context.abort(grpc_code(exc), describe(exc))
-        return generate_pb2.AbortResponse(found=self.orch.abort(request.request_id))
+        ids = self.known.get((tenant, request.request_id), set())
+        found = [self.orch.abort(rid) for rid in sorted(ids)]  # every one: no short cut
+        return generate_pb2.AbortResponse(found=any(found))
 
 
 def _sampling(s: generate_pb2.SamplingParams) -> Sampling:

@@ -2,8 +2,11 @@
 /v1/models, /health, /metrics, and /v1/hybridpd/stats (actor pool accounting).
 
 Errors are JSON ``{"error": {"message", "type", "code"}}`` with the status from
-``hybridpd.errors.http_status``; body validation errors are 400. Every
-response carries ``X-Request-Id`` (the client's, if it sent one). The outer
+``hybridpd.errors.http_status``; body validation errors are 400. The server
+gives every request its own id (``request_builder.new_request_id``: the
+response's ``cmpl-<id>``); every response carries ``X-Request-Id``: the
+client's own (the body's ``request_id``, else its header, at most 128
+characters), echoed and logged escaped, or else the server's. The outer
 layer (:class:`Gate`, plain ASGI) reads the whole body first, counting the bytes
 read (chunked bodies too): past 8 MiB the request is a 413 and reaches no handler.
 A generation request is admitted before it is tokenized (``choices.run_request``);
@@ -17,7 +20,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Any
@@ -49,7 +51,7 @@ from services.router.openai_models import ChatCompletionRequest, CompletionReque
 from services.router.openai_sampling import sampling_of
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions, Usage
-from services.router.request_builder import ApiRequest
+from services.router.request_builder import MAX_REQUEST_ID_CHARS, ApiRequest, new_request_id
 from services.worker.api import WorkerClient
 
 logger = logging.getLogger(__name__)
@@ -125,13 +127,15 @@ class Gate:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        rid = headers.get("x-request-id") or uuid.uuid4().hex
+        client = headers.get("x-request-id")
+        if client is not None and len(client) > MAX_REQUEST_ID_CHARS:
+            client = None  # not echoed: an id is no place for a payload
         local = scope.setdefault("state", {})
-        local.update(request_id=rid, tenant=None)
+        local.update(request_id=new_request_id(), client_id=client, tenant=None)
 
         async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)["X-Request-Id"] = rid
+            if message["type"] == "http.response.start":  # the client's id (a handler may set it), or ours
+                MutableHeaders(scope=message)["X-Request-Id"] = local["client_id"] or local["request_id"]
             await send(message)
 
         size = headers.get("content-length")
@@ -255,7 +259,8 @@ async def chat(body: ChatCompletionRequest, request: Request, st: State) -> Resp
 def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest:
     """The fields both endpoints share (``request_builder.build`` decides the rest)."""
     sampling = sampling_of(body, st.orch.tokenizer.generation_defaults)
-    rid, tenant = body.request_id or request.state.request_id, request.state.tenant
+    if body.request_id:  # vLLM's body field: echoed, as the header is
+        request.state.client_id = body.request_id
     output = OutputOptions(
         body.stop_list(),
         body.include_stop_str_in_output,
@@ -264,14 +269,15 @@ def _api_request(body: _Common, request: Request, st: RouterState) -> ApiRequest
         tuple(body.stop_token_ids or ()),
     )
     return ApiRequest(
-        rid,
+        request.state.request_id,
         body.model or st.served_model,
         sampling,
         cache_salt=body.cache_salt,
-        tenant=tenant,
+        tenant=request.state.tenant,
         truncate_prompt_tokens=body.truncate_prompt_tokens,
         truncation_side=body.truncation_side or "left",
         output=output,
+        client_id=request.state.client_id,
     )
 
 

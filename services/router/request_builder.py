@@ -5,7 +5,8 @@ The APIs only parse their wire format into an :class:`ApiRequest`; everything
 that decides what is served lives here, so HTTP and gRPC are the same product:
 
 * the served model (else NotFoundError), the prompt (text, token ids or chat
-  messages; empty is refused), lengths of ``request_id`` and ``cache_salt``;
+  messages; empty is refused), lengths of the client's ``request_id`` and
+  ``cache_salt``; the request's id is the server's (:func:`new_request_id`);
 * chat: the template with recalled answers (``answer_checkpoints``: a
   previous answer's text stands for the ids the model generated, so the next
   turn's prompt extends what is cached), the message-boundary checkpoints
@@ -38,6 +39,7 @@ after admission (``choices.run_request``), never on the event loop. Ranges
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -88,11 +90,25 @@ class Sampling:
     structured: StructuredOutput | None = None
 
 
+def new_request_id() -> str:
+    """The id the server gives a request: what keys its work on every actor (a
+    client's own id is only echoed back and logged: ``ApiRequest.client_id``)."""
+    return uuid.uuid4().hex
+
+
+def loggable(client_text: str) -> str:
+    """A client's string as a log line may carry it: cut to ``MAX_REQUEST_ID_CHARS``
+    and quoted with every newline and control character escaped (``repr``)."""
+    return repr(client_text[:MAX_REQUEST_ID_CHARS])
+
+
 @dataclass(frozen=True, slots=True)
 class ApiRequest:
     """A parsed request of either API. Exactly one of ``text``, ``token_ids``,
     ``messages`` is set (chat: ``messages``)."""
 
+    #: the server's id (:func:`new_request_id`): its engine requests are this id (a choice's
+    #: ``<id>-<index>``), whatever the client sent
     request_id: str
     model: str
     sampling: Sampling
@@ -117,6 +133,9 @@ class ApiRequest:
     output: OutputOptions = field(default_factory=OutputOptions)
     #: echo the prompt before the answer (``Built.echo``)
     echo: bool = False
+    #: the client's own id (``X-Request-Id``, the body's or gRPC's ``request_id``): echoed back
+    #: and logged (:func:`loggable`), never used as an id of ours
+    client_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +163,7 @@ def check_choices(prompts: int, n: int, cfg: HybridPDConfig) -> None:
 def check_bounds(api: ApiRequest, cfg: HybridPDConfig) -> None:
     """The request's sizes, before anything of it is tokenized (module docstring);
     InvalidRequestError naming the field past its bound."""
-    if len(api.request_id) > MAX_REQUEST_ID_CHARS:
+    if api.client_id is not None and len(api.client_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id longer than %d characters" % MAX_REQUEST_ID_CHARS)
     if api.cache_salt is not None and len(api.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError("cache_salt longer than %d characters" % MAX_CACHE_SALT_CHARS)

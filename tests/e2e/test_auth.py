@@ -79,3 +79,21 @@ def test_grpc_requires_a_valid_key(astack: Stack) -> None:
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     msgs = list(stub.Generate(req, metadata=(("authorization", "Bearer key-beta"),)))
     assert msgs[-1].usage.completion_tokens == 2
+
+
+def test_grpc_abort_reaches_only_the_callers_own_requests(astack: Stack) -> None:
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(astack.grpc))
+    long = pb.GenerateRequest(
+        request_id="shared-id", text="The delta rule", sampling=pb.SamplingParams(max_tokens=3000, ignore_eos=True)
+    )
+    alpha = (("authorization", "Bearer key-alpha"),)
+    beta = (("authorization", "Bearer key-beta"),)
+    call = stub.Generate(long, metadata=alpha, timeout=120)
+    first = next(call)
+    assert first.request_id == "shared-id"  # the client's id, echoed
+    assert not stub.Abort(pb.AbortRequest(request_id="shared-id"), metadata=beta).found  # another key's
+    assert next(call).request_id == "shared-id"  # still running
+    assert stub.Abort(pb.AbortRequest(request_id="shared-id"), metadata=alpha).found
+    rest = list(call)
+    assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT and rest[-1].usage.completion_tokens < 3000
+    astack.wait_all_free()

@@ -201,8 +201,12 @@ def test_usage_in_a_stream(stack: Stack) -> None:
     assert {c["choices"][0]["index"] for c in chunks[:-1]} == {0, 1}
 
 
-def test_request_id_field_names_the_response(stack: Stack) -> None:
-    assert _complete(stack, request_id="my-id-1", max_tokens=2)["id"] == "cmpl-my-id-1"
+def test_request_id_field_is_echoed_not_used(stack: Stack) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "request_id": "my-id-1"}
+    r = _post(stack, "/v1/completions", body)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-id-1"  # echoed, as vLLM names it
+    rid = r.json()["id"]
+    assert rid.startswith("cmpl-") and rid != "cmpl-my-id-1"  # vLLM's form, with the server's own id
 
 
 def test_another_model_is_404(stack: Stack) -> None:

@@ -93,3 +93,30 @@ def test_a_non_streaming_request_is_aborted_when_its_client_goes(stack: Stack) -
     stats = stack.wait_all_free()
     assert all(s["pool"]["num_running"] == 0 for s in stats.values())
     assert time.monotonic() - t0 < 25  # not the 3000 tokens it asked for
+
+
+def test_equal_client_ids_never_collide(stack: Stack) -> None:
+    import concurrent.futures
+
+    body = {"model": "tiny", "prompt": list(prompt(64, 41)), "max_tokens": 40, "ignore_eos": True}
+
+    def http_one(_: int) -> httpx.Response:
+        return httpx.post(stack.http + "/v1/completions", json=body, headers={"x-request-id": "dup"}, timeout=120)
+
+    def grpc_one(_: int) -> list[pb.GenerateResponse]:
+        with grpc.insecure_channel(stack.grpc) as channel:
+            req = pb.GenerateRequest(
+                request_id="dup", text="The delta rule", sampling=pb.SamplingParams(max_tokens=40, ignore_eos=True)
+            )
+            return list(pb_grpc.GenerationStub(channel).Generate(req, timeout=120))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        https = list(ex.map(http_one, range(2)))
+        grpcs = list(ex.map(grpc_one, range(2)))
+    assert [r.status_code for r in https] == [200, 200], [r.text for r in https]
+    assert [r.headers["x-request-id"] for r in https] == ["dup", "dup"]
+    assert https[0].json()["id"] != https[1].json()["id"]
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in https)
+    for replies in grpcs:
+        assert {m.request_id for m in replies} == {"dup"} and replies[-1].usage.completion_tokens == 40
+    stack.wait_all_free()

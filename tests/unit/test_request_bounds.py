@@ -70,7 +70,7 @@ def test_every_bound_is_a_400_naming_its_field_before_anything_is_tokenized() ->
         "messages: at most 20 characters in all, got 22": _api(messages=(ChatMessage("user", "x" * 11),) * 2),
         "bad_words: at most 64 words": _api(text="hi", sampling=Sampling(bad_words=("w",) * 65)),
         "logit_bias: at most 300 tokens": _api(text="hi", sampling=Sampling(logit_bias=((1, 1.0),) * 301)),
-        "request_id longer than 128": _api(text="hi", request_id="r" * 129),
+        "request_id longer than 128": _api(text="hi", client_id="r" * 129),
     }
     for message, api in bad.items():
         with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(")):

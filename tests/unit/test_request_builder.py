@@ -49,7 +49,7 @@ def test_defaults_clamp_and_checks() -> None:
     with pytest.raises(InvalidRequestError, match="required"):
         build(_api(), orch, "tiny")
     with pytest.raises(InvalidRequestError, match="request_id"):
-        build(_api(token_ids=ids, request_id="x" * 129), orch, "tiny")
+        build(_api(token_ids=ids, client_id="x" * 129), orch, "tiny")
     with pytest.raises(InvalidRequestError, match="cache_salt"):
         build(_api(token_ids=ids, cache_salt="s" * 257), orch, "tiny")
 
@@ -88,9 +88,12 @@ def test_a_grpc_chat_builds_what_the_same_http_chat_builds() -> None:
         chat=pb.ChatMessages(messages=[pb.ChatMessage(role=m.role, content=m.content) for m in MSGS]),
         cache_salt="tenant-salt",
     )
-    got = build(servicer._request(msg), orch, "tiny")
-    # what openai_api builds for {"model": "tiny", "messages": ..., "cache_salt": ...} with no other field
-    want = build(_api(messages=MSGS, cache_salt="tenant-salt", sampling=Sampling(temperature=0.0)), orch, "tiny")
+    api = servicer._request(msg, request_id="r1")
+    assert api.client_id == "r1" and servicer._request(msg).request_id != "r1"  # the server's id, the client's echoed
+    got = build(api, orch, "tiny")
+    # what openai_api builds for {"model": "tiny", "messages": ..., "cache_salt": ..., "request_id": "r1"}
+    sampling = Sampling(temperature=0.0)
+    want = build(_api(messages=MSGS, cache_salt="tenant-salt", sampling=sampling, client_id="r1"), orch, "tiny")
     assert got == want
     assert got.answer is not None and got.request.checkpoints  # boundaries and the answer plan, as over HTTP
 
