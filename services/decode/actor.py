@@ -25,13 +25,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine, EngineRequest, HandoffTicket
 from hybridpd.engine.factory import make_engine
-from hybridpd.errors import IntegrityError, InvalidRequestError, UnavailableError
+from hybridpd.errors import IntegrityError, InvalidRequestError, OverloadedError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
 from services.worker.base import WorkerBase, ray_metrics, startup_guard
 from services.worker.engine_loop import EngineLoop
@@ -41,6 +41,10 @@ from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTO
 from services.worker.token_channel import TokenSender
 
 logger = logging.getLogger(__name__)
+
+#: a handoff waits at most this long for KV blocks on a full decode engine, then fails
+KV_WAIT_S = 30.0
+KV_WAIT_POLL_S = 0.02
 
 
 class DecodeWorker(WorkerBase):
@@ -147,7 +151,7 @@ class DecodeWorker(WorkerBase):
                     assert fetched is not None  # None only when aborted: submit then never calls add
                     self.engine.add_handoff(request, fetched)
 
-                q = self.loop.submit(request.request_id, add)
+                q = self._submit_when_room(request, add)
             except BaseException:  # whatever stopped it (a cancel included) leaves no block pinned
                 self.loop.abort(request.request_id)
                 raise
@@ -162,6 +166,25 @@ class DecodeWorker(WorkerBase):
         finally:
             # a consumer that went away (client disconnect) ends up here too
             self.loop.abort(request.request_id)
+
+    def _submit_when_room(self, request: EngineRequest, add: Callable[[], None]) -> queue.Queue:
+        """``loop.submit`` of ``add``; while the engine has no KV blocks for it
+        (OverloadedError: what it holds of the prompt stays pinned), try again as
+        requests finish, for at most ``KV_WAIT_S``: a started stream waits for room
+        instead of failing. Counted in ``kv_waits``."""
+        waited_from: float | None = None
+        while True:
+            try:
+                return self.loop.submit(request.request_id, add)
+            except OverloadedError:
+                now = time.monotonic()
+                if waited_from is None:
+                    waited_from = now
+                    with self.stats_lock:
+                        self.counters.kv_waits += 1
+                if now - waited_from > KV_WAIT_S or self.loop.aborted(request.request_id):
+                    raise
+                time.sleep(KV_WAIT_POLL_S)
 
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)

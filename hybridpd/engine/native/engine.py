@@ -345,7 +345,8 @@ class NativeEngine:
             raise
         pinned = {i: b for i, b in pins.items() if i in ticket.held}
         if not self.scheduler.admit_handoff(seq, pinned):
-            self._unpin(request.request_id)
+            # NOTE: the pins stay: the caller may try again once blocks are free (the decode
+            # worker waits, bounded), or abort, which releases them
             raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
         extra = {i: b for i, b in self._pins.pop(request.request_id, {}).items() if i not in ticket.held}
         if extra:  # pinned but read anyway (a fetch without the pins): the seq does not hold them
