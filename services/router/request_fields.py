@@ -102,7 +102,7 @@ HONOURED: dict[str, str] = {
     "add_special_tokens": "tests/unit/test_request_builder.py::test_add_special_tokens_reaches_the_tokenizer",
     "response_format": "tests/vllm/test_request_surface.py",
     "structured_outputs": "tests/vllm/test_request_surface.py",
-    "request_id": "tests/e2e/test_request_surface.py::test_request_id_field_names_the_response",
+    "request_id": "tests/e2e/test_request_surface.py::test_request_id_field_is_echoed_not_used",
     "return_token_ids": "tests/e2e/test_serving.py",
     "return_tokens_as_token_ids": "tests/e2e/test_request_surface.py::test_logprobs_on_both_endpoints",
     "cache_salt": "tests/e2e/test_auth.py",
