@@ -2,16 +2,21 @@
 
 Expected "no space" conditions return ``None``; misuse and failures raise a
 subclass of :class:`HybridPDError`. Servers take statuses from
-:func:`http_status` / :func:`grpc_code`; only the HTTP server's own framing
+:func:`http_status` / :func:`grpc_code` and what a client is told from
+:func:`public_message` (a failure on the server's side: a generic message and
+the request id, its details only in the log); only the HTTP server's own framing
 (body size, body validation, unexpected exceptions, and the 401 of its API-key
-middleware) is answered in ``services/router/openai_api.py``.
+middleware) is answered in ``services/router/http_gate.py``.
 """
 
 from __future__ import annotations
 
+import logging
 from http import HTTPStatus
 
 import grpc
+
+logger = logging.getLogger(__name__)
 
 
 class HybridPDError(Exception):
@@ -53,7 +58,8 @@ class UnavailableError(HybridPDError):
 class EngineError(UnavailableError):
     """An engine failed while serving a request with an error of its own (an
     assertion in a kernel, say). The request may succeed on another instance; the
-    message names the instance and the engine's error."""
+    message names the instance and the engine's error, for the log: a client is
+    told only that the engine failed (:func:`public_message`)."""
 
 
 class AuthError(HybridPDError):
@@ -105,8 +111,42 @@ def unwrap(exc: BaseException) -> BaseException:
 
 
 def describe(exc: BaseException) -> str:
-    """The message of ``exc`` for a client (see :func:`unwrap`)."""
+    """The message of ``exc`` (see :func:`unwrap`): for the log, and for a client
+    only through :func:`public_message`."""
     return str(unwrap(exc))
+
+
+#: what a client is told of a failure on the server's side, by its kind (first match)
+_PUBLIC: list[tuple[type[BaseException], str]] = [
+    (EngineError, "an engine failed while serving the request"),
+    (UnavailableError, "no instance could serve the request now; retry later"),
+    (IntegrityError, "a transfer failed verification"),
+]
+
+
+def server_side(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failure of the server (a 5xx other than a deadline), whose
+    details are the log's, not the client's."""
+    return int(http_status(exc)) >= 500 and not isinstance(unwrap(exc), DeadlineError)
+
+
+def public_message(exc: BaseException, request_id: str) -> str:
+    """What a client is told of ``exc``: the message of an error it can act on (a
+    4xx, a deadline); for a failure on the server's side (:func:`server_side`: an
+    engine's exception, an actor's, Ray's, the store's) a generic message naming
+    ``request_id``, under which it logs the details here (a warning)."""
+    if not server_side(exc):
+        return describe(exc)
+    err = unwrap(exc)
+    logger.warning("request %s failed: %s: %s", request_id, type(err).__name__, describe(exc))
+    what = next((text for cls, text in _PUBLIC if isinstance(err, cls)), "internal error")
+    return "%s (request %s)" % (what, request_id)
+
+
+def public_type(exc: BaseException) -> str:
+    """The ``type`` of an error body: the class of one of ours, else ``internal_error``."""
+    err = unwrap(exc)
+    return type(err).__name__ if isinstance(err, HybridPDError) else "internal_error"
 
 
 def http_status(exc: BaseException) -> HTTPStatus:

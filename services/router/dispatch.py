@@ -12,6 +12,8 @@
              else round robin (routing.choose_decode);
              a handoff that fails before any chunk: prefill once more (elsewhere
              when possible) and go on only if it produced the same tokens
+    live     a ping to every instance: the kinds none of whose instances
+             answers (the router's readiness)
 
 Engine-agnostic: a :class:`PrefillResult` carries the tokens sampled at prefill
 (possibly none) and an opaque ticket only the decode engine reads. Every actor
@@ -56,6 +58,10 @@ from services.worker.api import DecodeClient, PrefillClient, WorkerClient
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
+#: an instance that does not answer a ping within this long is not live (``Dispatcher.unserved``)
+PING_TIMEOUT_S = 2.0
+#: how long the answer of the last pings is reused
+LIVE_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,13 +145,45 @@ class Dispatcher:
         #: per decode instance, our decode streams running there (decode affinity's load)
         self.decoding: dict[str, int] = {}
         self._rr_prefill = itertools.count()
+        #: the last pings' answer (monotonic time, the kinds with no live instance), the pings under way
+        self._live: tuple[float, list[str]] | None = None
+        self._live_check: asyncio.Future[list[str]] | None = None
+
+    # -- liveness -----------------------------------------------------------------------
+    async def unserved(self) -> list[str]:
+        """The kinds of instance ("prefill", "decode") of which none answered a ping
+        within ``PING_TIMEOUT_S`` (a dead, restarting or hung actor does not): what
+        keeps this router from serving. Asked at most once per ``LIVE_TTL_S``; callers
+        meanwhile share the last answer, or the check under way."""
+        if self._live is None or time.monotonic() - self._live[0] >= LIVE_TTL_S:
+            if self._live_check is None or self._live_check.done():
+                self._live_check = asyncio.ensure_future(self._ping_all(PING_TIMEOUT_S))
+            self._live = (time.monotonic(), await asyncio.shield(self._live_check))
+        return self._live[1]
+
+    async def _ping_all(self, timeout_s: float) -> list[str]:
+        async def live(client: WorkerClient) -> bool:
+            try:
+                await asyncio.wait_for(client.ping(), timeout_s)
+                return True
+            except Exception:  # dead (Ray's error), restarting or hung (the timeout): not live
+                return False
+
+        kinds = (("prefill", list(self.prefill_actors.values())), ("decode", list(self.decode_actors.values())))
+        got = await asyncio.gather(*(live(c) for _, clients in kinds for c in clients))
+        out, i = [], 0
+        for kind, clients in kinds:
+            if not any(got[i : i + len(clients)]):
+                out.append(kind)
+            i += len(clients)
+        return out
 
     # -- route --------------------------------------------------------------------------
     async def route(self, req: EngineRequest, force: str | None = None) -> Route:
         """The prefill instance for ``req`` (``force``: that one, NotFoundError if unknown)."""
         names = sorted(self.prefill_actors)
         if force is not None and force not in self.prefill_actors:
-            raise NotFoundError("no prefill instance %r (have %s)" % (force, ", ".join(names)))
+            raise NotFoundError("no prefill instance %r" % force[:100])  # the instance names are not a client's
         if self.cfg.routing == "round_robin" and force is None:
             name = names[next(self._rr_prefill) % len(names)]
             return Route(RouteDecision(name, 0, 0, 0, "round_robin"), None)

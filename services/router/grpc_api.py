@@ -9,6 +9,8 @@ tenant) that go by it, every one of them: two clients may use the same id."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from typing import Any
@@ -22,13 +24,21 @@ from grpc_reflection.v1alpha import reflection
 
 from hybridpd.auth import ApiKeys
 from hybridpd.engine.base import StructuredOutput
-from hybridpd.errors import HybridPDError, InvalidRequestError, describe, grpc_code
+from hybridpd.errors import (
+    HybridPDError,
+    InvalidRequestError,
+    describe,
+    grpc_code,
+    public_message,
+)
 from hybridpd.tokenizer import ChatMessage, ChatOptions
 from hybridpd.v1 import generate_pb2, generate_pb2_grpc
 from services.router.choices import run_request
 from services.router.orchestrator import Orchestrator
 from services.router.output import OutputOptions
 from services.router.request_builder import ApiRequest, Sampling, new_request_id
+
+logger = logging.getLogger(__name__)
 
 _REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -104,16 +114,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        rid = new_request_id()
         try:
             tenant = self._tenant(context)
-            api = self._request(request, tenant)
+            api = self._request(request, tenant, rid)
             n, visible = request.sampling.n or 1, api.client_id or api.request_id
             with self._known(tenant, visible, api.request_id):
                 async with aclosing(self._responses(api, n, visible)) as responses:
                     async for resp in responses:
                         yield resp
         except HybridPDError as exc:
-            await context.abort(grpc_code(exc), describe(exc))
+            await context.abort(grpc_code(exc), public_message(exc, rid))
+        except Exception:  # not one of ours: its text is the log's
+            logger.exception("request %s failed", rid)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (request %s)" % rid)
 
     async def _responses(
         self, api: ApiRequest, n: int, visible: str
@@ -204,6 +218,43 @@ def _unknown_fields(msg: Message, path: str = "") -> list[str]:
     return out
 
 
+#: how often the health service's status follows readiness between checks (for watchers)
+HEALTH_INTERVAL_S = 5.0
+GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+class ReadinessHealth(health.aio.HealthServicer):
+    """The standard health service, SERVING only while the router is ready
+    (``Orchestrator.readiness``: a live prefill and decode instance, not draining),
+    for the server ("") and ``hybridpd.v1.Generation``: brought up to date on each
+    ``Check`` and every ``HEALTH_INTERVAL_S`` (:func:`mark_serving`) for ``Watch``."""
+
+    def __init__(self, orch: Orchestrator) -> None:
+        super().__init__()
+        self.orch = orch
+
+    async def refresh(self) -> None:
+        ready = await self.orch.readiness() is None
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", GENERATION_SERVICE):
+            await self.set(service, status)
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def follow(self) -> None:
+        """Refresh every ``HEALTH_INTERVAL_S``, until cancelled."""
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            try:
+                await self.refresh()
+            except Exception:  # the next round tries again; a probe's Check refreshes too
+                logger.exception("health status not refreshed")
+
+
 def create_grpc_server(
     orch: Orchestrator,
     served_model: str,
@@ -217,10 +268,10 @@ def create_grpc_server(
     ``maximum_concurrent_rpcs`` as the caller (``server.py``) sets them."""
     server = grpc.aio.server(options=options, maximum_concurrent_rpcs=maximum_concurrent_rpcs)
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(orch, served_model), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = ReadinessHealth(orch)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (
-        generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+        GENERATION_SERVICE,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     )
@@ -233,7 +284,10 @@ def create_grpc_server(
     return server
 
 
-async def mark_serving(server: grpc.aio.Server) -> None:
-    hs = server._hybridpd_health
-    await hs.set("", health_pb2.HealthCheckResponse.SERVING)
-    await hs.set("hybridpd.v1.Generation", health_pb2.HealthCheckResponse.SERVING)
+async def mark_serving(server: grpc.aio.Server) -> asyncio.Task[None]:
+    """Once the server listens: its health status follows readiness from now on
+    (:class:`ReadinessHealth`), checked at once, then every ``HEALTH_INTERVAL_S`` by
+    the task returned (the caller cancels it when the server stops)."""
+    hs: ReadinessHealth = server._hybridpd_health
+    await hs.refresh()
+    return asyncio.create_task(hs.follow())

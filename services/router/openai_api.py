@@ -1,16 +1,16 @@
 """OpenAI-compatible HTTP API (FastAPI): /v1/completions, /v1/chat/completions,
-/v1/models, /health, /metrics, and /v1/hybridpd/stats (actor pool accounting).
+/v1/models, /health (liveness), /ready (readiness), /metrics, and
+/v1/hybridpd/stats (actor pool accounting).
 
-Errors are JSON ``{"error": {"message", "type", "code"}}`` with the status from
-``hybridpd.errors.http_status``; body validation errors are 400. The server
-gives every request its own id (``request_builder.new_request_id``: the
-response's ``cmpl-<id>``); every response carries ``X-Request-Id``: the
+The outer layer (body size, request ids, API keys) and the error handlers are
+``http_gate``'s: errors are JSON ``{"error": {"message", "type", "code"}}`` with
+the status from ``hybridpd.errors.http_status``; body validation errors are 400.
+The server gives every request its own id (``request_builder.new_request_id``:
+the response's ``cmpl-<id>``); every response carries ``X-Request-Id``: the
 client's own (the body's ``request_id``, else its header, at most 128
-characters), echoed and logged escaped, or else the server's. The outer
-layer (:class:`Gate`, plain ASGI) reads the whole body first, counting the bytes
-read (chunked bodies too): past 8 MiB the request is a 413 and reaches no handler.
-A generation request is admitted before it is tokenized (``choices.run_request``);
-a non-streaming one whose client disconnects is cancelled, and with it its work on
+characters), echoed and logged escaped, or else the server's. A generation
+request is admitted before it is tokenized (``choices.run_request``); a
+non-streaming one whose client disconnects is cancelled, and with it its work on
 every actor.
 """
 
@@ -25,40 +25,25 @@ from dataclasses import dataclass, replace
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.datastructures import Headers, MutableHeaders
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hybridpd.auth import ApiKeys
-from hybridpd.errors import (
-    AuthError,
-    HybridPDError,
-    InvalidRequestError,
-    NotFoundError,
-    OverloadedError,
-    describe,
-    http_status,
-    unwrap,
-)
+from hybridpd.errors import HybridPDError, InvalidRequestError, NotFoundError, http_status, public_message, public_type
 from hybridpd.tokenizer import ChatMessage, ChatOptions
-from services.router import tokens_api
+from services.router import http_gate, tokens_api
 from services.router.choices import Choice, run_request
+from services.router.http_gate import error_response
 from services.router.openai_format import Kind, LogprobOptions, ResponseWriter, usage_json
 from services.router.openai_models import ChatCompletionRequest, CompletionRequest, ErrorResponse, _Common
 from services.router.openai_sampling import sampling_of
 from services.router.orchestrator import Orchestrator
 from services.router.output import Event, OutputOptions, Usage
-from services.router.request_builder import MAX_REQUEST_ID_CHARS, ApiRequest, new_request_id
+from services.router.request_builder import ApiRequest
 from services.worker.api import WorkerClient
 
 logger = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 8 << 20
-#: paths that need an API key (when keys are configured)
-KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
 #: fault -> the kind of instance it is injected into
 FAULT_KINDS = {"corrupt_next_handoff": "prefill", "delay_next_handoff_read": "decode"}
 
@@ -74,10 +59,6 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     503: {**_ERR, "description": "No instance can serve"},
     504: {**_ERR, "description": "Request deadline exceeded"},
 }
-
-
-def _error(status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status, headers=headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,116 +84,10 @@ def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaita
     """The HTTP app: this module's handlers serving ``orch`` as model ``served_model``."""
     app = FastAPI(title="hybridpd", version="1", summary="OpenAI-compatible serving for hybrid LLMs")
     state = app.state.hybridpd = RouterState(orch, served_model, stats, ApiKeys(orch.cfg.api_keys))
-    app.add_middleware(Gate, state=state)
-    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, on_unexpected)
-    app.add_exception_handler(HybridPDError, on_error)  # type: ignore[arg-type]
+    http_gate.install(app, state.keys)
     app.include_router(router)
     app.include_router(tokens_api.router)
     return app
-
-
-# -- the outer layer and error handlers -------------------------------------------------
-class Gate:
-    """Plain ASGI, around every HTTP request: ``X-Request-Id`` on every response, the
-    body read whole before any handler and refused past :data:`MAX_BODY_BYTES` (413,
-    counted on the bytes read: a chunked body too), API keys on ``KEYED_PATHS`` (401)."""
-
-    def __init__(self, app: ASGIApp, state: RouterState) -> None:
-        self.app, self.state = app, state
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = Headers(scope=scope)
-        client = headers.get("x-request-id")
-        if client is not None and len(client) > MAX_REQUEST_ID_CHARS:
-            client = None  # not echoed: an id is no place for a payload
-        local = scope.setdefault("state", {})
-        local.update(request_id=new_request_id(), client_id=client, tenant=None)
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":  # the client's id (a handler may set it), or ours
-                MutableHeaders(scope=message)["X-Request-Id"] = local["client_id"] or local["request_id"]
-            await send(message)
-
-        size = headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            await _too_large()(scope, receive, send_with_id)
-            return
-        body = await _read_body(receive)
-        if body is None:  # the client went away while sending it
-            return
-        if len(body) > MAX_BODY_BYTES:
-            await _too_large()(scope, receive, send_with_id)
-            return
-        try:
-            if scope["path"].startswith(KEYED_PATHS):  # /health, /metrics, /docs, /version stay open
-                local["tenant"] = self.state.keys.tenant(headers.get("authorization"))
-        except AuthError as exc:
-            resp = _error(401, str(exc), "authentication_error", {"WWW-Authenticate": "Bearer"})
-            await resp(scope, receive, send_with_id)
-            return
-        await self.app(scope, _replay(body, receive), send_with_id)
-
-
-def _too_large() -> JSONResponse:
-    return _error(413, "request body over %d bytes" % MAX_BODY_BYTES, "invalid_request_error")
-
-
-async def _read_body(receive: Receive) -> bytes | None:
-    """The request's body, read until its end or until it is past :data:`MAX_BODY_BYTES`
-    (then what was read: the caller refuses it); None if the client disconnected."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        chunks.append(chunk)
-        size += len(chunk)
-        if size > MAX_BODY_BYTES or not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """``receive`` for the app: the body already read, then the client's own messages
-    (its disconnect: ``_until_disconnected``)."""
-    sent = False
-
-    async def replayed() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
-
-
-async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-    msgs = ["%s: %s" % (".".join(str(p) for p in e.get("loc", ())[1:]) or "body", e.get("msg")) for e in exc.errors()]
-    return _error(400, "; ".join(msgs), "invalid_request_error")
-
-
-async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    # body parse errors, 404 routes, 405 methods: same error shape as everything else
-    kind = "invalid_request_error" if exc.status_code < 500 else "internal_error"
-    return _error(exc.status_code, str(exc.detail), kind, dict(exc.headers or {}) or None)
-
-
-async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-    logger.exception("request %s failed", getattr(request.state, "request_id", "?"))
-    return _error(500, "internal error: %s" % type(exc).__name__, "internal_error")
-
-
-async def on_error(_: Request, exc: HybridPDError) -> JSONResponse:
-    status = int(http_status(exc))
-    headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
-    return _error(status, describe(exc), type(unwrap(exc)).__name__, headers)
 
 
 # -- generation -------------------------------------------------------------------------
@@ -300,7 +175,8 @@ async def _generate(st: RouterState, request: Request, body: _Common, apis: list
     events = run_request(st.orch, apis, n, kind, st.served_model, force, built)
     if body.stream:
         head = await anext(events)  # errors before the first token become a proper HTTP status
-        return StreamingResponse(_sse(head, events, writer, body, n), media_type="text/event-stream")
+        sse = _sse(head, events, writer, body, n, first.request_id)
+        return StreamingResponse(sse, media_type="text/event-stream")
     collect = asyncio.ensure_future(_collect(events, writer, n))
     gone = asyncio.ensure_future(_until_disconnected(request))
     try:
@@ -346,7 +222,18 @@ async def models(st: State) -> dict:
 
 @router.get("/health")
 async def health() -> dict:
+    """Liveness: ok while this process serves HTTP."""
     return {"status": "ok"}
+
+
+@router.get("/ready", responses={503: {**_ERR, "description": "No live prefill or decode instance, or draining"}})
+async def ready(st: State) -> Response:
+    """Readiness (``Orchestrator.readiness``): 200 while a prefill and a decode instance
+    are live and the router is not draining; else 503 with the reason."""
+    reason = await st.orch.readiness()
+    if reason is not None:
+        return error_response(503, "not ready: %s" % reason, "unavailable")
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics")
@@ -377,7 +264,12 @@ async def actor_stats(st: State) -> dict:
 
 
 async def _sse(
-    head: tuple[int, Event], rest: AsyncIterator[tuple[int, Event]], writer: ResponseWriter, body: _Common, n: int
+    head: tuple[int, Event],
+    rest: AsyncIterator[tuple[int, Event]],
+    writer: ResponseWriter,
+    body: _Common,
+    n: int,
+    request_id: str,
 ) -> AsyncIterator[bytes]:
     usages: dict[int, Usage] = {}
 
@@ -396,7 +288,8 @@ async def _sse(
     except HybridPDError as exc:
         # NOTE: the status line is already sent: report the failure in-stream and
         # end WITHOUT [DONE], so no client mistakes a cut stream for a finished one.
-        err = {"error": {"message": describe(exc), "type": type(unwrap(exc)).__name__, "code": int(http_status(exc))}}
+        message = public_message(exc, request_id)
+        err = {"error": {"message": message, "type": public_type(exc), "code": int(http_status(exc))}}
         yield data(err)
         return
     finally:

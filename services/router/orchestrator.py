@@ -110,6 +110,19 @@ class Orchestrator:
         self.aborted: dict[str, None] = {}
         metrics.configured_prefill.set(len(prefill))
         metrics.live_prefill.set(len(prefill))
+        #: the router drains (``drain``): not ready, while what it admitted finishes
+        self.draining = False
+
+    def drain(self) -> None:
+        """Stop being ready (``/ready`` 503, gRPC health NOT_SERVING) for good, so load
+        balancers send nothing new while the requests in flight finish (SIGTERM)."""
+        self.draining = True
+
+    async def readiness(self) -> str | None:
+        """None while this router can serve: not draining, and a prefill and a decode
+        instance live (``Dispatcher.unserved``); else why not."""
+        missing = await self.dispatch.unserved()
+        return "draining" if self.draining else ("no live %s instance" % " or ".join(missing) if missing else None)
 
     async def stream(
         self,

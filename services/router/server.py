@@ -181,13 +181,14 @@ class RouterServer:
             maximum_concurrent_rpcs=self.orch.cfg.http_max_connections,
         )
         await self.grpc.start()
-        await mark_serving(self.grpc)
+        health_task = await mark_serving(self.grpc)
         http_task = asyncio.create_task(self.http.serve())
         stop_task = asyncio.create_task(stop.wait())
         while not self.http.started and not http_task.done() and not stop.is_set():
             await asyncio.sleep(0.05)
         if http_task.done() and not stop.is_set():  # uvicorn gave up: most likely the port is taken
             stop_task.cancel()
+            health_task.cancel()
             await self.grpc.stop(grace=0)
             http_task.result()
             raise UnavailableError("the HTTP server on %s did not start" % self.http.config.port)
@@ -199,4 +200,5 @@ class RouterServer:
             self.http.should_exit = True
             await asyncio.gather(http_task, return_exceptions=True)
             stop_task.cancel()
+            health_task.cancel()
             await self.grpc.stop(grace=2)

@@ -1,6 +1,6 @@
 """vLLM's token endpoints beside the OpenAI API: ``POST /tokenize`` (a prompt, or
 chat messages through the template), ``POST /detokenize`` and ``GET /version``.
-Keyed like ``/v1/`` (``openai_api.KEYED_PATHS``). Tokenizing and detokenizing are
+Keyed like ``/v1/`` (``http_gate.KEYED_PATHS``). Tokenizing and detokenizing are
 admitted as a request is (one in-flight slot: 429 past the limit), within the
 request builder's bounds, and run in the tokenizer pool, off the event loop."""
 

@@ -46,7 +46,7 @@ class RemoteMethod(Protocol):
 
 
 class WorkerClient:
-    """What every worker answers: abort, stats, the fault hook."""
+    """What every worker answers: abort, stats, the fault hook, a ping."""
 
     def __init__(self, name: str, handle: ActorHandle) -> None:
         self.name = name
@@ -55,6 +55,11 @@ class WorkerClient:
     def abort(self, request_id: str) -> None:
         """Free ``request_id`` on this worker if it holds it (fire and forget)."""
         self.handle.abort.remote(request_id)
+
+    async def ping(self) -> None:
+        """Returns once the worker answers (``WorkerBase.ready``: no engine lock taken);
+        raises what Ray raises for a dead one."""
+        await self.handle.ready.remote()
 
     async def stats(self) -> dict[str, object]:
         """Identity, pools and counters (``WorkerBase._base_stats`` and the worker's own)."""

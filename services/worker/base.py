@@ -52,7 +52,9 @@ class WorkerBase:
     def engine_errors(self) -> Iterator[None]:
         """Around a request: an engine's own exception (not one of ours) becomes an
         EngineError naming this worker and the error, which the router maps like any
-        other (503, the request retried elsewhere where it can be)."""
+        other (503, the request retried elsewhere where it can be). Its text is for
+        logs: the router logs it with the request id and tells the client only that
+        an engine failed, and that id (``errors.public_message``)."""
         try:
             yield
         except HybridPDError:

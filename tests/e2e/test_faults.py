@@ -3,6 +3,7 @@ state plane recovers. This module runs its own stack (it breaks things)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from hybridpd.procs import port_open
 from hybridpd.store.client import CheckpointStore
 from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
-from tests.wait import wait_until
+from tests.wait import Pending, wait_until
 
 HANDOFF_TIMEOUT_S = 5
 
@@ -241,5 +242,16 @@ def test_decode_killed_mid_stream_is_a_clean_error(fstack: Stack) -> None:
             if len(lines) == 5:
                 os.kill(pid, signal.SIGKILL)
     assert lines[-1] != "data: [DONE]"
-    assert '"error"' in lines[-1] and "decode" in lines[-1]
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == 503 and err["type"] == "UnavailableError"
+    # the client learns the request's id, not Ray's or the engine's text: that is the log's
+    rid = err["message"].rsplit("(request ", 1)[1].rstrip(")")
+    assert err["message"].startswith("no instance could serve the request") and "Ray" not in err["message"]
+    assert any(rid in line and "decode of" in line for line in fstack.log.read_text(errors="replace").splitlines())
+
+    def ready() -> bool | Pending:  # readiness comes back once Ray restarted the decode actor
+        r = httpx.get(fstack.http + "/ready", timeout=30)
+        return True if r.status_code == 200 else Pending(r.text)
+
+    wait_until(ready, 120, 0.5, "the router ready again")
     assert not any('"finish_reason": "length"' in x for x in lines)

@@ -120,3 +120,21 @@ def test_equal_client_ids_never_collide(stack: Stack) -> None:
     for replies in grpcs:
         assert {m.request_id for m in replies} == {"dup"} and replies[-1].usage.completion_tokens == 40
     stack.wait_all_free()
+
+
+def test_health_is_liveness_ready_is_readiness(stack: Stack) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    assert httpx.get(stack.http + "/health", timeout=10).json() == {"status": "ok"}
+    assert httpx.get(stack.http + "/ready", timeout=10).json() == {"status": "ready"}
+    with grpc.insecure_channel(stack.grpc) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "hybridpd.v1.Generation"):
+            got = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert got.status == health_pb2.HealthCheckResponse.SERVING, service
+
+
+def test_errors_name_no_instance_of_ours(stack: Stack) -> None:
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "hybridpd_prefill_instance": "prefill-9"}
+    r = _post(stack, body)
+    assert r.status_code == 404 and "prefill-0" not in r.text

@@ -19,8 +19,12 @@ from hybridpd.procs import free_port, port_open
 def test_up_starts_and_ctrl_c_stops(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "hybridpd"
     dash_port = free_port()
+    # NOTE: the API ports are chosen free too: 8000 and 50051 (the defaults, tested in
+    # test_config) can be held by another process of the machine, and 50051 lies in
+    # the kernel's ephemeral range, so a port of an earlier test's stack can take it
+    api_ports = ["--http-port", str(free_port()), "--grpc-port", str(free_port())]
     proc = subprocess.Popen(
-        [str(exe), "up", "--workdir", str(tmp_path), "--dashboard-port", str(dash_port)],
+        [str(exe), "up", "--workdir", str(tmp_path), "--dashboard-port", str(dash_port), *api_ports],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

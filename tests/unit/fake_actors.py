@@ -17,6 +17,8 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from hybridpd.engine.base import EngineRequest, HandoffTicket
 from hybridpd.model_files import TOKENIZER_DIR
 from hybridpd.tokenizer import TextTokenizer
@@ -36,6 +38,12 @@ def done(value: Any) -> asyncio.Future:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(value)
     return fut
+
+
+def _alive(down: bool, name: str) -> str:
+    if down:
+        raise RayActorError()
+    return name
 
 
 def failed(exc: BaseException) -> asyncio.Future:
@@ -94,6 +102,9 @@ class FakePrefill:
         self.delay, self.gate, self.ticket, self.finish = delay, gate, ticket, finish
         self.prefill = Method(self._prefill)
         self.abort = Method(lambda rid: False)
+        #: a dead actor: its pings raise, as Ray's calls to one do
+        self.down = False
+        self.ready = Method(lambda: _alive(self.down, self.name))
 
     async def _prefill(self, cmd: PrefillCommand) -> PrefillResult:
         if self.gate is not None:
@@ -127,6 +138,8 @@ class FakeDecode:
         self.sizes, self.fail_first, self.fail_after, self.stall_after = sizes, fail_first, fail_after, stall_after
         self.generate = StreamingMethod(self._stream)
         self.abort = Method(lambda rid: False)
+        self.down = False
+        self.ready = Method(lambda: _alive(self.down, "decode"))
 
     async def _stream(self, pr: PrefillResult, req: EngineRequest) -> AsyncIterator[asyncio.Future]:
         if self.fail_first is not None:

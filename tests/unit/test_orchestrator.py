@@ -210,7 +210,7 @@ def test_unknown_forced_instance_is_not_found() -> None:
         async for _ in orch.stream(_req(), "test", "prefill-9"):
             pass
 
-    with pytest.raises(NotFoundError, match=r"no prefill instance 'prefill-9' \(have prefill-0, prefill-1\)"):
+    with pytest.raises(NotFoundError, match=r"no prefill instance 'prefill-9'\"$"):  # and no names of ours
         asyncio.run(go())
     assert _idle(orch)
 

@@ -21,8 +21,9 @@ from hybridpd.tokenizer import ChatMessage
 from hybridpd.v1 import generate_pb2 as pb
 from services.router.choices import run_request
 from services.router.grpc_api import GenerationServicer
+from services.router.http_gate import MAX_BODY_BYTES
 from services.router.metrics import RouterMetrics
-from services.router.openai_api import MAX_BODY_BYTES, create_app
+from services.router.openai_api import create_app
 from services.router.orchestrator import Orchestrator
 from services.router.output import OutputOptions
 from services.router.request_builder import ApiRequest, Sampling, build, check_bounds, check_choices
