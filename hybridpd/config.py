@@ -10,6 +10,7 @@ the field names below (``hybridpd config show`` prints a valid file).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -239,6 +240,11 @@ class HybridPDConfig(BaseModel):
         " everyone (an open loopback stack), or no one.",
     )
     metrics_need_key: bool = Field(False, description="GET /metrics answers operator keys only.")
+    allow_anonymous: bool = Field(
+        False,
+        description="Serve without API keys off loopback (anyone who reaches host may call the API);"
+        " without it, a non-loopback host needs api_keys or api_keys_file.",
+    )
     tls_cert_file: str | None = Field(None, description="PEM certificate: HTTP and gRPC serve TLS with it.")
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
     http_max_connections: int = Field(
@@ -371,6 +377,12 @@ class HybridPDConfig(BaseModel):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(name, "no such file: %s" % path)
+        if not (self.api_keys or self.api_keys_file or self.allow_anonymous or is_loopback(self.host)):
+            raise ConfigError(
+                "host",
+                "%s is not loopback: set api_keys or api_keys_file, or allow_anonymous to serve anyone who"
+                " reaches it" % self.host,
+            )
         if self.http_port == self.grpc_port:
             raise ConfigError("grpc_port", "must differ from http_port (%d)" % self.http_port)
         if self.mooncake_master is not None and not _is_host_port(self.mooncake_master):
@@ -438,6 +450,16 @@ class HybridPDConfig(BaseModel):
         if redact and data["api_keys"]:
             data["api_keys"] = ["<redacted>"] * len(data["api_keys"])
         return yaml.safe_dump(data, sort_keys=False)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _is_host_port(value: str) -> bool:

@@ -66,6 +66,10 @@ class AuthError(HybridPDError):
     """Missing or invalid credentials."""
 
 
+class ForbiddenError(AuthError):
+    """Valid credentials that may not do this (a client key on the operator surface)."""
+
+
 class DeadlineError(HybridPDError):
     """The request did not finish within its deadline."""
 
@@ -86,6 +90,7 @@ _HTTP: list[tuple[type[BaseException], HTTPStatus]] = [
     (UnavailableError, HTTPStatus.SERVICE_UNAVAILABLE),
     (IntegrityError, HTTPStatus.INTERNAL_SERVER_ERROR),
     (DeadlineError, HTTPStatus.GATEWAY_TIMEOUT),
+    (ForbiddenError, HTTPStatus.FORBIDDEN),
     (AuthError, HTTPStatus.UNAUTHORIZED),
 ]
 
@@ -97,6 +102,7 @@ _GRPC: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (IntegrityError, grpc.StatusCode.DATA_LOSS),
     (DeadlineError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (ForbiddenError, grpc.StatusCode.PERMISSION_DENIED),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
 ]
 

@@ -7,7 +7,6 @@ and ``--help`` always lists exactly the fields that exist.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import sys
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import click
 import yaml
 
 from hybridpd import __version__
-from hybridpd.config import HybridPDConfig, allowed, load_config
+from hybridpd.config import HybridPDConfig, allowed, is_loopback, load_config
 from hybridpd.errors import ConfigError
 
 
@@ -92,16 +91,6 @@ def redacted(cfg: HybridPDConfig) -> dict[str, Any]:
     return data
 
 
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is reachable from this machine only."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def auth_line(cfg: HybridPDConfig) -> str:
     """The banner's word on who may call the API (never a key)."""
     if cfg.api_keys or cfg.api_keys_file:
@@ -110,7 +99,7 @@ def auth_line(cfg: HybridPDConfig) -> str:
         )
     if is_loopback(cfg.host):
         return "none: the API is open to every user of this machine (loopback only)"
-    return "none: the API is OPEN to anyone who reaches %s (set --api-keys or --api-keys-file)" % cfg.host
+    return "none: the API is OPEN to anyone who reaches %s (allow_anonymous; set --api-keys-file)" % cfg.host
 
 
 @cli.command()

@@ -22,7 +22,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from hybridpd.auth import ApiKeys
+from hybridpd.auth import ApiKeys, Caller, sees_cache_details
 from hybridpd.engine.base import StructuredOutput
 from hybridpd.errors import (
     HybridPDError,
@@ -51,7 +51,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def __init__(self, orch: Orchestrator, served_model: str) -> None:
         self.orch = orch
         self.served_model = served_model
-        self.keys = ApiKeys(orch.cfg.api_keys)
+        self.keys = ApiKeys.from_config(orch.cfg)
         #: (tenant, the id the client knows) -> the server's ids of its requests in flight
         self.known: dict[tuple[str | None, str], set[str]] = {}
 
@@ -68,10 +68,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if not ids:
                 del self.known[key]
 
-    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+    def _caller(self, context: grpc.aio.ServicerContext) -> Caller:
         meta = {k.lower(): v for k, v in (context.invocation_metadata() or ())}
         auth = meta.get("authorization")
-        return self.keys.tenant(auth if isinstance(auth, str) else None)
+        return self.keys.caller(auth if isinstance(auth, str) else None)
 
     def _request(
         self, msg: generate_pb2.GenerateRequest, tenant: str | None = None, request_id: str | None = None
@@ -116,11 +116,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         rid = new_request_id()
         try:
-            tenant = self._tenant(context)
+            caller = self._caller(context)
+            tenant = caller.tenant
             api = self._request(request, tenant, rid)
             n, visible = request.sampling.n or 1, api.client_id or api.request_id
             with self._known(tenant, visible, api.request_id):
-                async with aclosing(self._responses(api, n, visible)) as responses:
+                details = sees_cache_details(self.orch.cfg.cache_details, caller)
+                async with aclosing(self._responses(api, n, visible, details)) as responses:
                     async for resp in responses:
                         yield resp
         except HybridPDError as exc:
@@ -130,9 +132,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error (request %s)" % rid)
 
     async def _responses(
-        self, api: ApiRequest, n: int, visible: str
+        self, api: ApiRequest, n: int, visible: str, details: bool
     ) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
-        """The responses of one Generate, each with the id the client knows (``visible``)."""
+        """The responses of one Generate, each with the id the client knows (``visible``);
+        ``promised_tokens`` (a cache detail) only with ``details``."""
         async for index, ev in run_request(self.orch, [api], n, "grpc", self.served_model):
             resp = generate_pb2.GenerateResponse(
                 request_id=visible, token_ids=list(ev.token_ids), text=ev.text, index=index
@@ -151,7 +154,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         prompt_tokens=ev.usage.prompt_tokens,
                         cached_tokens=ev.usage.cached_tokens,
                         completion_tokens=ev.usage.completion_tokens,
-                        promised_tokens=ev.usage.promised_tokens,
+                        promised_tokens=ev.usage.promised_tokens if details else None,
                     )
                 )
             yield resp
@@ -162,7 +165,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         """Abort the caller's own requests that go by ``request_id`` (its key's: its tenant's)."""
         tenant = None
         try:
-            tenant = self._tenant(context)
+            tenant = self._caller(context).tenant
         except HybridPDError as exc:
             await context.abort(grpc_code(exc), describe(exc))
         ids = self.known.get((tenant, request.request_id), set())

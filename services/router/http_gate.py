@@ -4,7 +4,9 @@
 own id and echoes the client's ``X-Request-Id`` (at most ``MAX_REQUEST_ID_CHARS``),
 reads the whole body before any handler and refuses it past :data:`MAX_BODY_BYTES`
 (413, counted on the bytes read: a chunked body too), and checks API keys on
-:data:`KEYED_PATHS` (401). The handlers give every error the body
+:data:`KEYED_PATHS` (401) and operator keys on :data:`OPERATOR_PATHS` and, with
+``metrics_need_key``, ``/metrics`` (403 for another key); the caller
+(``auth.Caller``) is ``request.state.caller``. The handlers give every error the body
 ``{"error": {"message", "type", "code"}}`` with the status of
 ``hybridpd.errors.http_status``; a failure on the server's side is told as
 ``errors.public_message`` (generic, naming the request id; the details go to
@@ -22,9 +24,10 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from hybridpd.auth import ApiKeys
+from hybridpd.auth import ApiKeys, Caller
 from hybridpd.errors import (
     AuthError,
+    ForbiddenError,
     HybridPDError,
     OverloadedError,
     http_status,
@@ -38,11 +41,13 @@ logger = logging.getLogger(__name__)
 MAX_BODY_BYTES = 8 << 20
 #: paths that need an API key (when keys are configured)
 KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")
+#: paths only an operator key may call (``/metrics`` too with ``metrics_need_key``)
+OPERATOR_PATHS = ("/v1/hybridpd/",)
 
 
-def install(app: FastAPI, keys: ApiKeys) -> None:
+def install(app: FastAPI, keys: ApiKeys, metrics_need_key: bool) -> None:
     """:class:`Gate` around ``app`` (checking ``keys``) and the error handlers."""
-    app.add_middleware(Gate, keys=keys)
+    app.add_middleware(Gate, keys=keys, metrics_need_key=metrics_need_key)
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, on_unexpected)
@@ -59,8 +64,8 @@ class Gate:
     body read whole before any handler and refused past :data:`MAX_BODY_BYTES` (413,
     counted on the bytes read: a chunked body too), API keys on ``KEYED_PATHS`` (401)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app, self.keys = app, keys
+    def __init__(self, app: ASGIApp, keys: ApiKeys, metrics_need_key: bool) -> None:
+        self.app, self.keys, self.metrics_need_key = app, keys, metrics_need_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -71,7 +76,7 @@ class Gate:
         if client is not None and len(client) > MAX_REQUEST_ID_CHARS:
             client = None  # not echoed: an id is no place for a payload
         local = scope.setdefault("state", {})
-        local.update(request_id=new_request_id(), client_id=client, tenant=None)
+        local.update(request_id=new_request_id(), client_id=client, tenant=None, caller=Caller(None, False))
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":  # the client's id (a handler may set it), or ours
@@ -88,9 +93,17 @@ class Gate:
         if len(body) > MAX_BODY_BYTES:
             await _too_large()(scope, receive, send_with_id)
             return
+        path = scope["path"]
+        operator_only = path.startswith(OPERATOR_PATHS) or (path == "/metrics" and self.metrics_need_key)
         try:
-            if scope["path"].startswith(KEYED_PATHS):  # /health, /ready, /metrics, /docs, /version stay open
-                local["tenant"] = self.keys.tenant(headers.get("authorization"))
+            if path.startswith(KEYED_PATHS) or operator_only:  # /health, /ready, /docs, /version stay open
+                caller = self.keys.caller(headers.get("authorization"))
+                if operator_only:
+                    caller.need_operator(path)
+                local.update(caller=caller, tenant=caller.tenant)
+        except ForbiddenError as exc:
+            await error_response(403, str(exc), "permission_error")(scope, receive, send_with_id)
+            return
         except AuthError as exc:
             resp = error_response(401, str(exc), "authentication_error", {"WWW-Authenticate": "Bearer"})
             await resp(scope, receive, send_with_id)

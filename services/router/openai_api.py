@@ -28,7 +28,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from hybridpd.auth import ApiKeys
+from hybridpd.auth import ApiKeys, sees_cache_details
 from hybridpd.errors import HybridPDError, InvalidRequestError, NotFoundError, http_status, public_message, public_type
 from hybridpd.tokenizer import ChatMessage, ChatOptions
 from services.router import http_gate, tokens_api
@@ -83,8 +83,8 @@ router = APIRouter()
 def create_app(orch: Orchestrator, served_model: str, stats: Callable[[], Awaitable[dict]]) -> FastAPI:
     """The HTTP app: this module's handlers serving ``orch`` as model ``served_model``."""
     app = FastAPI(title="hybridpd", version="1", summary="OpenAI-compatible serving for hybrid LLMs")
-    state = app.state.hybridpd = RouterState(orch, served_model, stats, ApiKeys(orch.cfg.api_keys))
-    http_gate.install(app, state.keys)
+    state = app.state.hybridpd = RouterState(orch, served_model, stats, ApiKeys.from_config(orch.cfg))
+    http_gate.install(app, state.keys, orch.cfg.metrics_need_key)
     app.include_router(router)
     app.include_router(tokens_api.router)
     return app
@@ -165,7 +165,9 @@ async def _generate(st: RouterState, request: Request, body: _Common, apis: list
     n = body.choices
     lp = LogprobOptions(first.sampling.logprobs, bool(body.return_tokens_as_token_ids))
     model = body.model or st.served_model
-    writer = ResponseWriter(kind, st.orch.tokenizer, oid, created, model, lp, bool(body.return_token_ids))
+    details = sees_cache_details(st.orch.cfg.cache_details, request.state.caller)
+    tok = st.orch.tokenizer
+    writer = ResponseWriter(kind, tok, oid, created, model, lp, bool(body.return_token_ids), cache_details=details)
 
     def built(choices: list[Choice]) -> None:
         echo = {c.index: c.built.echo for c in choices if c.built.echo is not None}
@@ -198,7 +200,7 @@ async def _collect(events: AsyncIterator[tuple[int, Event]], writer: ResponseWri
         writer.add(index, ev)
         if ev.usage is not None:
             usages[index] = ev.usage
-    return writer.body(usage_json(usages, n))
+    return writer.body(usage_json(usages, n, writer.cache_details))
 
 
 async def _until_disconnected(request: Request) -> None:
@@ -295,5 +297,5 @@ async def _sse(
     finally:
         await rest.aclose()  # type: ignore[attr-defined]  # a disconnect lands here: the actors are aborted
     if body.include_usage and usages:
-        yield data(writer.usage_chunk(usage_json(usages, n)))
+        yield data(writer.usage_chunk(usage_json(usages, n, writer.cache_details)))
     yield b"data: [DONE]\n\n"

@@ -62,8 +62,11 @@ class ResponseWriter:
         return_token_ids: bool,
         echo: dict[int, str] | None = None,
         prompts: dict[int, tuple[int, ...]] | None = None,
+        cache_details: bool = True,
     ) -> None:
         self.kind, self.tok, self.oid, self.created, self.model = kind, tok, oid, created, model
+        #: whether usage carries the hybridpd_* details (``auth.sees_cache_details``)
+        self.cache_details = cache_details
         self.lp = logprobs
         self.return_token_ids = return_token_ids
         #: choice -> the text echoed before it (vLLM: none when the ids are returned instead)
@@ -232,10 +235,10 @@ class ResponseWriter:
         }
 
 
-def usage_json(usages: dict[int, Usage], n: int) -> dict[str, Any]:
+def usage_json(usages: dict[int, Usage], n: int, details: bool = True) -> dict[str, Any]:
     """Usage of a request's choices (index -> its usage; ``n`` per prompt): each
     prompt's tokens once (its first choice's), every choice's completion tokens;
-    the ``hybridpd_*`` details of the first choices, summed."""
+    with ``details``, the ``hybridpd_*`` details of the first choices, summed."""
     firsts = [u for i, u in sorted(usages.items()) if i % n == 0]
     prompt = sum(u.prompt_tokens for u in firsts)
     completion = sum(u.completion_tokens for u in usages.values())
@@ -245,7 +248,7 @@ def usage_json(usages: dict[int, Usage], n: int) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(u.cached_tokens for u in firsts)},
     }
-    if all(u.prefix_tokens is not None for u in firsts):
+    if details and all(u.prefix_tokens is not None for u in firsts):
         merged: dict[str, int] = {}
         for u in firsts:
             for k, v in (u.prefix_tokens or {}).items():

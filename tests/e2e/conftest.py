@@ -23,9 +23,10 @@ from tests.wait import Pending, wait_until
 
 class Stack(StackProcess):
     def stats(self) -> dict:
-        """Every actor's stats (with the stack's first API key, if it has keys)."""
+        """Every actor's stats (with the stack's first operator key, if it has keys)."""
         args = self.extra_args
-        keys = args[args.index("--api-keys") + 1].split(",") if "--api-keys" in args else []
+        flag = "--operator-api-keys"
+        keys = args[args.index(flag) + 1].split(",") if flag in args else []
         headers = {"authorization": "Bearer " + keys[0]} if keys else {}
         r = httpx.get(self.http + "/v1/hybridpd/stats", headers=headers, timeout=30)
         r.raise_for_status()

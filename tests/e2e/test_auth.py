@@ -1,4 +1,6 @@
-"""API keys on HTTP and gRPC, and tenants that never share a prefix."""
+"""API keys on HTTP and gRPC (from the config and from a file read again when it
+changes), operator keys (the operator surface, /metrics with metrics_need_key, the
+hybridpd_* usage details), and tenants that never share a prefix."""
 
 from __future__ import annotations
 
@@ -15,11 +17,22 @@ from hybridpd.v1 import generate_pb2 as pb
 from hybridpd.v1 import generate_pb2_grpc as pb_grpc
 from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
+from tests.wait import Pending, wait_until
+
+OPERATOR = "op-key-1"
 
 
 @pytest.fixture(scope="module")
-def astack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("auth")), ["--api-keys", "key-alpha,key-beta"])
+def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = Path(tmp_path_factory.mktemp("keys")) / "api-keys"
+    path.write_text("# the clients' keys\nkey-beta\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def astack(tmp_path_factory: pytest.TempPathFactory, keys_file: Path) -> Iterator[Stack]:
+    flags = ["--api-keys", "key-alpha", "--api-keys-file", str(keys_file), "--operator-api-keys", OPERATOR]
+    s = Stack(Path(tmp_path_factory.mktemp("auth")), [*flags, "--metrics-need-key"])
     s.start()
     try:
         yield s
@@ -39,7 +52,7 @@ def test_http_requires_a_valid_key(astack: Stack) -> None:
         r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and "API key" in r.json()["error"]["message"]
     )
     assert httpx.get(astack.http + "/health").status_code == 200  # probes stay open
-    assert httpx.get(astack.http + "/metrics").status_code == 200
+    assert httpx.get(astack.http + "/ready").status_code == 200
     ok = _client(astack, "key-alpha").completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0)
     assert ok.usage.completion_tokens == 2
 
@@ -97,3 +110,48 @@ def test_grpc_abort_reaches_only_the_callers_own_requests(astack: Stack) -> None
     rest = list(call)
     assert rest[-1].finish_reason == pb.FINISH_REASON_ABORT and rest[-1].usage.completion_tokens < 3000
     astack.wait_all_free()
+
+
+def _bearer(key: str) -> dict[str, str]:
+    return {"authorization": "Bearer " + key}
+
+
+def test_the_operator_surface_answers_operator_keys_only(astack: Stack) -> None:
+    for path in ("/v1/hybridpd/stats", "/metrics"):
+        assert httpx.get(astack.http + path).status_code == 401
+        denied = httpx.get(astack.http + path, headers=_bearer("key-alpha"))
+        assert denied.status_code == 403 and "operator key" in denied.json()["error"]["message"]
+        assert httpx.get(astack.http + path, headers=_bearer(OPERATOR)).status_code == 200
+    faults = httpx.post(astack.http + "/v1/hybridpd/faults", json={}, headers=_bearer("key-beta"))
+    assert faults.status_code == 403
+
+
+def test_cache_details_reach_operator_keys_only(astack: Stack) -> None:
+    body = {"model": "tiny", "prompt": list(prompt(80, 73)), "max_tokens": 2, "temperature": 0}
+    client = httpx.post(astack.http + "/v1/completions", json=body, headers=_bearer("key-alpha")).json()["usage"]
+    operator = httpx.post(astack.http + "/v1/completions", json=body, headers=_bearer(OPERATOR)).json()["usage"]
+    assert "prompt_tokens_details" in client and not any(k.startswith("hybridpd_") for k in client)
+    assert "hybridpd_prefix_tokens" in operator
+    stub = pb_grpc.GenerationStub(grpc.insecure_channel(astack.grpc))
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=body["prompt"]), sampling=pb.SamplingParams(max_tokens=2))
+    as_client = list(stub.Generate(req, metadata=(("authorization", "Bearer key-alpha"),)))[-1].usage
+    as_operator = list(stub.Generate(req, metadata=(("authorization", "Bearer " + OPERATOR),)))[-1].usage
+    assert not as_client.HasField("promised_tokens") and as_operator.HasField("promised_tokens")
+
+
+def test_a_keys_file_is_read_again_when_it_changes(astack: Stack, keys_file: Path) -> None:
+    def status(key: str) -> int:
+        body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+        return httpx.post(astack.http + "/v1/completions", json=body, headers=_bearer(key)).status_code
+
+    assert status("key-gamma") == 401
+    keys_file.write_text("key-beta\nkey-gamma\n")  # a rotated Secret: no restart
+
+    def gamma_in() -> bool | Pending:
+        got = status("key-gamma")
+        return True if got == 200 else Pending(got)
+
+    wait_until(gamma_in, 30, 0.2, "the new key accepted")
+    keys_file.write_text("key-gamma\n")
+    wait_until(lambda: status("key-beta") == 401 or Pending("beta still in"), 30, 0.2, "the removed key refused")
+    assert status("key-alpha") == 200  # the config's keys stay

@@ -3,8 +3,9 @@ OpenAPI schema, the gRPC API by hypothesis-generated messages. Nothing may
 return a server error; every rejection carries a message.
 
 The stack has a short context (--max-model-len 96) so that any request the
-fuzzers generate finishes quickly; fault injection is on so that its route is
-fuzzed too.
+fuzzers generate finishes quickly, and a low --max-prompt-chars so that prompts
+past it are drawn; fault injection is on so that its route is fuzzed too. The
+gRPC messages draw every SamplingParams field, at and past its bounds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from hybridpd.v1 import generate_pb2, generate_pb2_grpc
 from tests.e2e.conftest import Stack
 
 MAX_MODEL_LEN = 96
+MAX_PROMPT_CHARS = 4096
 #: examples per (operation, mode); POST routes get both modes, GET routes positive only
 POST_EXAMPLES, GET_EXAMPLES, GRPC_EXAMPLES = 90, 30, 200
 MIN_HTTP_CASES = 500
@@ -44,7 +46,10 @@ _FUZZ_SETTINGS = settings(
 def zstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(
         Path(tmp_path_factory.mktemp("fuzz")),
-        ["--max-model-len", str(MAX_MODEL_LEN), "--num-prefill", "1", "--fault-injection"],
+        [
+            *("--max-model-len", str(MAX_MODEL_LEN), "--max-prompt-chars", str(MAX_PROMPT_CHARS)),
+            *("--num-prefill", "1", "--fault-injection"),
+        ],
     )
     s.start()
     try:
@@ -122,17 +127,51 @@ _chat = st.lists(
     ),
     max_size=4,
 )
-_sampling = st.builds(
-    generate_pb2.SamplingParams,
-    max_tokens=st.one_of(st.integers(0, 40), st.integers(0, (1 << 32) - 1)),
-    temperature=st.one_of(st.just(0.0), st.floats(width=32)),
-    top_p=st.floats(width=32),
-    top_k=st.one_of(st.just(0), st.integers(0, (1 << 32) - 1)),
-    seed=st.integers(0, (1 << 64) - 1),
-    has_seed=st.booleans(),
-    stop=st.lists(_texts, max_size=6),
-    ignore_eos=st.booleans(),
+#: stop strings around the bounds (max_stop_strings 4, max_stop_chars 256): most within, some past
+_stops = st.lists(st.one_of(_texts, st.integers(250, 3000).map(lambda n: "s" * n)), max_size=8)
+_penalty = st.one_of(st.floats(-3, 3, width=32), st.floats(width=32))
+_structured = st.one_of(
+    st.builds(generate_pb2.StructuredOutput, json_object=st.booleans()),
+    st.builds(generate_pb2.StructuredOutput, regex=st.sampled_from(["[ab]{1,4}", "(", "x*"])),
+    st.builds(
+        generate_pb2.StructuredOutput, choice=st.builds(generate_pb2.ChoiceList, choices=st.lists(_texts, max_size=3))
+    ),
+    st.builds(generate_pb2.StructuredOutput, json_schema=st.sampled_from(['{"type": "integer"}', "{", "[]"])),
 )
+
+
+@st.composite
+def _sampling(draw: st.DrawFn) -> generate_pb2.SamplingParams:
+    """Every field of SamplingParams: in range, at the bounds and past them."""
+    s = generate_pb2.SamplingParams(
+        max_tokens=draw(st.one_of(st.integers(0, 40), st.integers(0, (1 << 32) - 1))),
+        temperature=draw(st.one_of(st.just(0.0), st.floats(width=32))),
+        top_p=draw(st.floats(width=32)),
+        top_k=draw(st.one_of(st.just(0), st.integers(0, (1 << 32) - 1))),
+        seed=draw(st.integers(0, (1 << 64) - 1)),
+        has_seed=draw(st.booleans()),
+        stop=draw(_stops),
+        ignore_eos=draw(st.booleans()),
+        min_tokens=draw(st.one_of(st.just(0), st.integers(0, 50), st.integers(0, (1 << 32) - 1))),
+        stop_token_ids=draw(st.lists(st.integers(0, (1 << 32) - 1), max_size=4)),
+        bad_words=draw(st.lists(_texts, max_size=4)),
+        allowed_token_ids=draw(st.lists(st.one_of(st.integers(0, 2047), st.integers(0, (1 << 32) - 1)), max_size=6)),
+        include_stop_str_in_output=draw(st.booleans()),
+        n=draw(st.one_of(st.just(0), st.integers(0, 4), st.integers(0, (1 << 32) - 1))),
+    )
+    s.logit_bias.update(
+        draw(st.dictionaries(st.integers(0, (1 << 32) - 1), st.floats(-200, 200, width=32), max_size=6))
+    )
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+        if draw(st.booleans()):
+            setattr(s, name, draw(_penalty))
+    if draw(st.booleans()):
+        s.logprobs = draw(st.integers(0, 30))
+    if draw(st.booleans()):
+        s.skip_special_tokens = draw(st.booleans())
+    if draw(st.integers(0, 3)) == 0:
+        s.structured.CopyFrom(draw(_structured))
+    return s
 
 
 @st.composite
@@ -143,14 +182,14 @@ def _requests(draw: st.DrawFn) -> generate_pb2.GenerateRequest:
         cache_salt=draw(st.one_of(st.just(""), st.text(max_size=300))),
     )
     which = draw(st.sampled_from(["text", "token_ids", "chat", None]))
-    if which == "text":
-        msg.text = draw(_texts)
+    if which == "text":  # sometimes past max_prompt_chars: refused before it is tokenized
+        msg.text = draw(st.one_of(_texts, st.just("word " * 1000)))
     elif which == "token_ids":
         msg.token_ids.ids.extend(draw(_ids))
     elif which == "chat":
         msg.chat.messages.extend(draw(_chat))
     if draw(st.booleans()):
-        msg.sampling.CopyFrom(draw(_sampling))
+        msg.sampling.CopyFrom(draw(_sampling()))
     return msg
 
 
@@ -182,6 +221,8 @@ def test_grpc_api_fuzz_never_internal(zstack: Stack) -> None:
             s = msg.sampling
             # accepted means valid: the server's rules, restated
             assert math.isfinite(s.temperature) and 0 <= s.temperature <= 2, msg
+            assert len(s.stop) <= 4 and all(len(x) <= 256 for x in s.stop), msg
+            assert (s.n or 1) <= 16 and len(msg.text) <= MAX_PROMPT_CHARS, msg
             assert final.usage.prompt_tokens + final.usage.completion_tokens <= MAX_MODEL_LEN
 
         run()

@@ -332,7 +332,8 @@ def test_rendered_config_file_loads_with_hybridpd_config(
     assert cfg.redis_read_replicas == v.get("redis", {}).get("readReplicas", False)
     assert (cfg.redis_replica_url or "").startswith(v.get("redis", {}).get("replicaUrl") or "")
     assert cfg.cache_details == "operator"  # the hybridpd_* usage fields: operator keys only
-    assert cfg.api_keys == [] and (cfg.api_keys_file is None) == v.get("auth", {}).get("allowAnonymous", False)
+    anonymous = v.get("auth", {}).get("allowAnonymous", False)
+    assert cfg.api_keys == [] and (cfg.api_keys_file is None) == anonymous == cfg.allow_anonymous
     assert (cfg.tls_cert_file is None) == (not v.get("tls", {}).get("secretName"))
     ray_values = v.get("ray", {})
     assert cfg.prefill_resource == ray_values.get("prefill", {}).get("resource", "hybridpd_prefill")

@@ -8,9 +8,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from hybridpd.config import load_config
+from hybridpd.config import is_loopback, load_config
+from hybridpd.errors import ConfigError
 from hybridpd.index.prefix_index import redacted_url
-from launch.cli import auth_line, cli, is_loopback
+from launch.cli import auth_line, cli
 
 
 @pytest.mark.parametrize(
@@ -55,8 +56,14 @@ def test_config_show_prints_no_secret() -> None:
 
 def test_the_banner_says_who_may_call() -> None:
     assert "open to every user of this machine" in auth_line(load_config(env={}))
-    assert "OPEN to anyone" in auth_line(load_config(env={}, overrides={"host": "0.0.0.0"}))
+    assert "OPEN to anyone" in auth_line(load_config(env={}, overrides={"host": "0.0.0.0", "allow_anonymous": True}))
     keyed = auth_line(load_config(env={}, overrides={"host": "0.0.0.0", "api_keys": "k-secret-1,k-secret-2"}))
     assert keyed.startswith("Bearer API keys required") and "k-secret" not in keyed
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+
+
+def test_an_open_api_off_loopback_needs_allow_anonymous() -> None:
+    with pytest.raises(ConfigError, match=r"0\.0\.0\.0 is not loopback: set api_keys or api_keys_file"):
+        load_config(env={}, overrides={"host": "0.0.0.0"})
+    assert load_config(env={}, overrides={"host": "::1"}).host == "::1"  # loopback may stay open
