@@ -210,8 +210,11 @@ def markdown(out: dict[str, Any]) -> str:
 
 
 def main(before: str | None, runs: int, repeats: int, benches: list[str], json_path: Path) -> dict[str, Any]:
+    """Runs go to the folder named after ``json_path`` (``ab.json``: ``ab/``), so each
+    comparison keeps its own runs."""
+    runs_dir = json_path.parent / json_path.stem
     if before:
-        run(before, runs, repeats, benches)
-    out = summarize()
+        run(before, runs, repeats, benches, runs_dir)
+    out = summarize(runs_dir)
     write_json(json_path, out)
     return out
