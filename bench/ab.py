@@ -212,7 +212,7 @@ def markdown(out: dict[str, Any]) -> str:
 def main(before: str | None, runs: int, repeats: int, benches: list[str], json_path: Path) -> dict[str, Any]:
     """Runs go to the folder named after ``json_path`` (``ab.json``: ``ab/``), so each
     comparison keeps its own runs."""
-    runs_dir = json_path.parent / json_path.stem
+    runs_dir = (json_path.parent / json_path.stem).resolve()  # the benches run in other folders
     if before:
         run(before, runs, repeats, benches, runs_dir)
     out = summarize(runs_dir)
