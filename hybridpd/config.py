@@ -240,6 +240,13 @@ class HybridPDConfig(BaseModel):
         " everyone (an open loopback stack), or no one.",
     )
     metrics_need_key: bool = Field(False, description="GET /metrics answers operator keys only.")
+    drain_grace_s: float = Field(
+        120.0,
+        ge=0,
+        le=86400,
+        description="On SIGTERM (or Ctrl-C) the router admits nothing new and waits this long at most for the"
+        " requests in flight to finish before it stops (a second signal stops it at once).",
+    )
     allow_anonymous: bool = Field(
         False,
         description="Serve without API keys off loopback (anyone who reaches host may call the API);"

@@ -55,6 +55,15 @@ class UnavailableError(HybridPDError):
     """A dependency (Redis, store, actor) cannot be reached right now."""
 
 
+class DrainingError(UnavailableError):
+    """The router is shutting down (SIGTERM): it admits nothing new, while what it
+    admitted finishes. Another replica serves a retry after ``retry_after_s``."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class EngineError(UnavailableError):
     """An engine failed while serving a request with an error of its own (an
     assertion in a kernel, say). The request may succeed on another instance; the
@@ -131,9 +140,9 @@ _PUBLIC: list[tuple[type[BaseException], str]] = [
 
 
 def server_side(exc: BaseException) -> bool:
-    """Whether ``exc`` is a failure of the server (a 5xx other than a deadline), whose
-    details are the log's, not the client's."""
-    return int(http_status(exc)) >= 500 and not isinstance(unwrap(exc), DeadlineError)
+    """Whether ``exc`` is a failure of the server (a 5xx other than a deadline or a
+    drain), whose details are the log's, not the client's."""
+    return int(http_status(exc)) >= 500 and not isinstance(unwrap(exc), (DeadlineError, DrainingError))
 
 
 def public_message(exc: BaseException, request_id: str) -> str:
@@ -153,6 +162,12 @@ def public_type(exc: BaseException) -> str:
     """The ``type`` of an error body: the class of one of ours, else ``internal_error``."""
     err = unwrap(exc)
     return type(err).__name__ if isinstance(err, HybridPDError) else "internal_error"
+
+
+def retry_after_s(exc: BaseException) -> float | None:
+    """How long a client should wait before it retries ``exc`` (429, 503 when
+    draining); None: no ``Retry-After``."""
+    return getattr(unwrap(exc), "retry_after_s", None)
 
 
 def http_status(exc: BaseException) -> HTTPStatus:

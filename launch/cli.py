@@ -118,7 +118,9 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     Ray head with its dashboard, the prefill and decode actors (native engine,
     tiny model by default) and the router (OpenAI HTTP + gRPC), or connects to
     the services named by --redis-url / --mooncake-master / --ray-address.
-    Ctrl-C stops everything it started.
+    Ctrl-C (or SIGTERM) drains: /ready turns false, new requests get 503, and
+    the requests in flight finish (at most --drain-grace-s); then everything it
+    started stops. A second Ctrl-C stops at once.
     """
     import asyncio
     import signal
@@ -169,14 +171,23 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     click.echo("  Actors               %s" % ", ".join(actors))
 
     async def serve() -> None:
-        stop = asyncio.Event()
+        stop, force = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:  # the first drains (RouterServer.drain), a second stops at once
+            if stop.is_set():
+                force.set()
+                return
+            stop.set()
+            if router.orch.admission.inflight:
+                click.echo("draining (at most %.0fs; Ctrl-C again to stop now)..." % cfg.drain_grace_s)
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal)
         if exit_after_start:
             stop.set()
         ready = asyncio.Event()
-        task = asyncio.create_task(router.serve(stop, ready))
+        task = asyncio.create_task(router.serve(stop, ready, force))
         ready_wait = asyncio.create_task(ready.wait())
         await asyncio.wait({task, ready_wait}, return_when=asyncio.FIRST_COMPLETED)
         ready_wait.cancel()

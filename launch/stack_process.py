@@ -24,8 +24,12 @@ class StackProcess:
         extra_args: list[str] | None = None,
         start_timeout_s: float = 300.0,
         exe: Path | None = None,
+        drain_grace_s: float = 5.0,
     ) -> None:
-        """``exe``: the ``hybridpd`` executable (default: the one beside this Python)."""
+        """``exe``: the ``hybridpd`` executable (default: the one beside this Python);
+        ``drain_grace_s``: how long ``stop`` lets requests in flight finish (a flag in
+        ``extra_args`` wins)."""
+        self.drain_grace_s = drain_grace_s
         self.workdir = workdir
         self.exe = exe or Path(sys.executable).parent / "hybridpd"
         self._choose_ports()
@@ -87,6 +91,8 @@ class StackProcess:
             str(self.dashboard_port),
             "--ray-metrics-port",
             str(self.ray_metrics_port),
+            "--drain-grace-s",
+            str(self.drain_grace_s),
             *self.extra_args,
         ]
         with open(self.log, "w") as out:

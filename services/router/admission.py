@@ -1,5 +1,6 @@
 """Admission: the checks a request passes before the router does any work for it.
 
+    draining (``drain``: DrainingError, 503 with Retry-After)
     in-flight limit (max_inflight_requests: OverloadedError, 429), counted in
       choices: an API request holds one slot per choice, taken before it is
       tokenized (``choices.run_request``)
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from hybridpd.engine.base import EngineRequest
-from hybridpd.errors import DeadlineError, OverloadedError
+from hybridpd.errors import DeadlineError, DrainingError, OverloadedError
 from hybridpd.validation import validate_request
 
 T = TypeVar("T")
@@ -66,10 +67,15 @@ class Admission:
         self.max_inflight = max_inflight
         self.timeout_s = timeout_s
         self.inflight = 0
+        #: set for good by ``drain``: nothing new is admitted
+        self.draining = False
 
     def enter(self, slots: int = 1) -> Ticket:
         """Count ``slots`` (a request's choices) in flight, before any work is done for
-        them; OverloadedError (nothing counted) past ``max_inflight``."""
+        them; OverloadedError (nothing counted) past ``max_inflight``, DrainingError
+        once draining."""
+        if self.draining:
+            raise DrainingError("this router is shutting down: it admits no new request; retry", retry_after_s=1.0)
         if self.inflight + slots > self.max_inflight:
             raise OverloadedError("too many requests in flight (%d)" % self.inflight, retry_after_s=1.0)
         self.inflight += slots

@@ -29,10 +29,10 @@ from hybridpd.errors import (
     AuthError,
     ForbiddenError,
     HybridPDError,
-    OverloadedError,
     http_status,
     public_message,
     public_type,
+    retry_after_s,
 )
 from services.router.request_builder import MAX_REQUEST_ID_CHARS, new_request_id
 
@@ -165,5 +165,6 @@ async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
 
 async def on_error(request: Request, exc: HybridPDError) -> JSONResponse:
     status = int(http_status(exc))
-    headers = {"Retry-After": "%d" % max(1, int(exc.retry_after_s))} if isinstance(exc, OverloadedError) else None
+    wait = retry_after_s(exc)
+    headers = {"Retry-After": "%d" % max(1, int(wait))} if wait is not None else None
     return error_response(status, public_message(exc, request.state.request_id), public_type(exc), headers)

@@ -110,13 +110,16 @@ class Orchestrator:
         self.aborted: dict[str, None] = {}
         metrics.configured_prefill.set(len(prefill))
         metrics.live_prefill.set(len(prefill))
-        #: the router drains (``drain``): not ready, while what it admitted finishes
-        self.draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
 
     def drain(self) -> None:
-        """Stop being ready (``/ready`` 503, gRPC health NOT_SERVING) for good, so load
-        balancers send nothing new while the requests in flight finish (SIGTERM)."""
-        self.draining = True
+        """Stop being ready (``/ready`` 503, gRPC health NOT_SERVING) and admitting
+        (503 with Retry-After) for good, so load balancers send nothing new while the
+        requests in flight finish (SIGTERM: ``server.RouterServer.serve``)."""
+        self.admission.draining = True
 
     async def readiness(self) -> str | None:
         """None while this router can serve: not draining, and a prefill and a decode

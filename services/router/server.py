@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -152,6 +153,9 @@ class _QuietServer(uvicorn.Server):
 
 
 class RouterServer:
+    #: how often a drain says how many requests it still waits for
+    DRAIN_LOG_S = 5.0
+
     def __init__(
         self,
         orch: Orchestrator,
@@ -168,8 +172,11 @@ class RouterServer:
         self.grpc_address = "%s:%d" % (host, grpc_port)
         self.grpc_credentials = grpc_credentials(orch.cfg)  # the TLS files are read here, before anything serves
 
-    async def serve(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-        """Serve until ``stop`` is set (or uvicorn exits on a signal). ``ready`` is set
+    async def serve(
+        self, stop: asyncio.Event, ready: asyncio.Event | None = None, force: asyncio.Event | None = None
+    ) -> None:
+        """Serve until ``stop`` is set (or uvicorn exits on a signal), then drain
+        (:meth:`drain`, cut short by ``force``) and stop both servers. ``ready`` is set
         once both servers listen; a port that cannot be bound raises before it is."""
         # NOTE: grpc.aio servers bind to the loop they are created in: create it here
         self.grpc = create_grpc_server(
@@ -196,9 +203,32 @@ class RouterServer:
             ready.set()
         try:
             await asyncio.wait({http_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+            if stop.is_set() and not http_task.done():
+                await self.drain(force or asyncio.Event())
         finally:
             self.http.should_exit = True
             await asyncio.gather(http_task, return_exceptions=True)
             stop_task.cancel()
             health_task.cancel()
             await self.grpc.stop(grace=2)
+
+    async def drain(self, force: asyncio.Event) -> None:
+        """Stop admitting (``Orchestrator.drain``: ``/ready`` and gRPC health false, new
+        requests 503 with Retry-After) and wait until the requests in flight finish,
+        for at most ``drain_grace_s`` or until ``force`` is set; the servers keep
+        serving those requests meanwhile. What is left when the grace ends is cut."""
+        self.orch.drain()
+        grace, t0 = self.orch.cfg.drain_grace_s, time.monotonic()
+        said = t0
+        admission = self.orch.admission
+        if admission.inflight:
+            logger.warning("draining: %d requests in flight, for at most %.0fs", admission.inflight, grace)
+        while admission.inflight and time.monotonic() - t0 < grace and not force.is_set():
+            await asyncio.sleep(0.05)
+            if time.monotonic() - said >= self.DRAIN_LOG_S:
+                said = time.monotonic()
+                logger.warning("draining: %d requests in flight, %.0fs left", admission.inflight, grace - (said - t0))
+        if admission.inflight:
+            logger.warning("drain ended with %d requests in flight: they are cut", admission.inflight)
+        else:
+            logger.info("drained in %.1fs", time.monotonic() - t0)

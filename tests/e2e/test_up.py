@@ -13,16 +13,18 @@ from pathlib import Path
 
 import redis
 
-from hybridpd.procs import free_port, port_open
+from hybridpd.procs import free_port, listen_ports, port_open
 
 
 def test_up_starts_and_ctrl_c_stops(tmp_path: Path) -> None:
     exe = Path(sys.executable).parent / "hybridpd"
     dash_port = free_port()
-    # NOTE: the API ports are chosen free too: 8000 and 50051 (the defaults, tested in
-    # test_config) can be held by another process of the machine, and 50051 lies in
-    # the kernel's ephemeral range, so a port of an earlier test's stack can take it
-    api_ports = ["--http-port", str(free_port()), "--grpc-port", str(free_port())]
+    # NOTE: the API ports are chosen free too (below the ephemeral range): 8000 and 50051
+    # (the defaults, tested in test_config) can be held by another process of the
+    # machine, and 50051 lies in the kernel's ephemeral range, where any outgoing
+    # connection of an earlier test may have taken it
+    http_port, grpc_port = listen_ports(2)
+    api_ports = ["--http-port", str(http_port), "--grpc-port", str(grpc_port)]
     proc = subprocess.Popen(
         [str(exe), "up", "--workdir", str(tmp_path), "--dashboard-port", str(dash_port), *api_ports],
         stdout=subprocess.PIPE,

@@ -622,3 +622,22 @@ def test_dockerfile_copies_what_exists_and_runs_the_cli() -> None:
     assert 'CMD ["hybridpd", "up", "--config", "/etc/hybridpd/config.yaml"]' in text
     router = _one(_render(_values("default")), "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
     assert "hybridpd up --config /etc/hybridpd/config.yaml" in router["args"][0]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_router_drains_within_its_termination_grace(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    drain = {"graceSeconds": 120, "preStopSleepSeconds": 5, **_values(name).get("router", {}).get("drain", {})}
+    pod = _router_pod(rendered[name])
+    assert _config(rendered[name])["drain_grace_s"] == drain["graceSeconds"]
+    assert pod["terminationGracePeriodSeconds"] == drain["graceSeconds"] + drain["preStopSleepSeconds"] + 15
+    pre = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre == ["sleep", str(drain["preStopSleepSeconds"])]
+    exec_line = pod["containers"][0]["args"][0]
+    assert "exec hybridpd up" in exec_line  # SIGTERM reaches hybridpd, not a shell
+
+
+def test_drain_values_render() -> None:
+    pod = _router_pod(_render({"auth": {"allowAnonymous": True}, "router": {"drain": {"graceSeconds": 600}}}))
+    assert pod["terminationGracePeriodSeconds"] == 620
+    pod = _router_pod(_render({"auth": {"allowAnonymous": True}, "router": {"drain": {"preStopSleepSeconds": 0}}}))
+    assert "lifecycle" not in pod["containers"][0] and pod["terminationGracePeriodSeconds"] == 135

@@ -27,11 +27,13 @@ from hybridpd.errors import (
     public_type,
     server_side,
 )
+from hybridpd.procs import free_port
 from hybridpd.v1 import generate_pb2 as pb
 from services.router.grpc_api import GENERATION_SERVICE, GenerationServicer, ReadinessHealth
 from services.router.metrics import RouterMetrics
 from services.router.openai_api import create_app
 from services.router.orchestrator import Orchestrator
+from services.router.server import RouterServer
 from tests.unit.fake_actors import TOK, FakeDecode, FakePrefill, clients
 
 pytestmark = pytest.mark.unit
@@ -186,3 +188,50 @@ def test_a_hung_instance_is_not_live() -> None:
     d.ready.fn = never  # type: ignore[method-assign]
     missing = asyncio.run(asyncio.wait_for(orch.dispatch._ping_all(0.05), 5))
     assert missing == ["decode"]
+
+
+def test_drain_refuses_new_requests_and_waits_for_those_in_flight() -> None:
+    async def go() -> None:
+        gate = asyncio.Event()
+        orch = _orch([FakePrefill("prefill-0", gate=gate)])
+        server = RouterServer(orch, "tiny", "127.0.0.1", free_port(), free_port(), _stats)
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            running = asyncio.create_task(c.post("/v1/completions", json=BODY))
+            while orch.admission.inflight == 0:
+                await asyncio.sleep(0.01)
+            drain = asyncio.create_task(server.drain(asyncio.Event()))
+            await asyncio.sleep(0)  # the drain's first step: nothing new is admitted from here on
+            refused = await c.post("/v1/completions", json=BODY)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["type"] == "DrainingError" and "shutting down" in refused.text
+            ready = await c.get("/ready")
+            assert ready.status_code == 503 and "draining" in ready.text
+            assert not drain.done() and orch.admission.inflight == 1  # it waits for the one in flight
+            gate.set()
+            done = await running
+            await asyncio.wait_for(drain, 10)
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == BODY["max_tokens"]
+
+    asyncio.run(go())
+
+
+def test_a_forced_drain_ends_with_requests_in_flight() -> None:
+    async def go() -> None:
+        orch = _orch([FakePrefill("prefill-0", gate=asyncio.Event())])
+        server = RouterServer(orch, "tiny", "127.0.0.1", free_port(), free_port(), _stats)
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
+            running = asyncio.create_task(c.post("/v1/completions", json=BODY))
+            while orch.admission.inflight == 0:
+                await asyncio.sleep(0.01)
+            force = asyncio.Event()
+            drain = asyncio.create_task(server.drain(force))
+            await asyncio.sleep(0.2)
+            assert not drain.done()
+            force.set()
+            await asyncio.wait_for(drain, 10)
+            assert orch.admission.inflight == 1
+            running.cancel()
+
+    asyncio.run(go())
