@@ -147,12 +147,13 @@ class LocalStack:
     # -- serving: actors and the router ------------------------------------------------
     def start_serving(self, timeout_s: float = 600.0) -> None:
         """Start the prefill and decode actors (the model is built first, once)."""
-        import ray
 
         from hybridpd.engine.factory import resolve_model
-        from launch.actors import NAMESPACE, DecodeActor, PrefillActor
+        from hybridpd.model_identity import engine_identity
+        from launch.actors import DecodeActor, PrefillActor, namespace
 
-        resolve_model(self.cfg)  # build the tiny model here, not racing in every actor
+        model_dir = resolve_model(self.cfg)  # build the tiny model here, not racing in every actor
+        expected = engine_identity(self.cfg, model_dir) if isinstance(model_dir, Path) else None
         # NOTE: glog level 2 keeps Mooncake's per-connection INFO/WARNING lines out of the actor logs
         # NOTE: MALLOC_ARENA_MAX=2: Ray runs actor calls on a thread pool and glibc gives each
         # thread its own malloc arena; with 2 the soak's RSS growth fell by half or more
@@ -163,7 +164,7 @@ class LocalStack:
         }
         # NOTE: max_restarts: Ray brings a crashed actor back; the router retries elsewhere meanwhile
         opts = {
-            "namespace": NAMESPACE,
+            "namespace": namespace(expected),
             "num_cpus": 0,
             "max_concurrency": 256,
             "max_restarts": 3,
@@ -209,7 +210,27 @@ class LocalStack:
             for n in self._decode_names()
         }
         self._wait_ready({**self.prefill, **self.decode}, timeout_s)
-        self.model_id = str(ray.get(next(iter(self.prefill.values())).model_id.remote()))
+        self.model_id = self._check_identity({**self.prefill, **self.decode}, expected)
+
+    def _check_identity(self, handles: dict[str, ActorHandle[Any]], expected: str | None) -> str:
+        """The model identity every actor serves; StartupError naming the first actor whose
+        identity or release is not this router's (``expected``: the router's own
+        identity of the model files; None: the first actor's)."""
+        import ray
+
+        import hybridpd
+
+        idents: list[tuple[str, str]] = ray.get([h.identity.remote() for h in handles.values()])
+        got = dict(zip(handles, idents, strict=True))
+        want = expected or next(iter(got.values()))[0]
+        for name, (identity, release) in got.items():
+            if identity != want or release != hybridpd.__version__:
+                raise StartupError(
+                    "actor %s serves model %s of hybridpd %s; this router serves %s of hybridpd %s: the actors and"
+                    " the router must run the same release with the same model files (same weights, config,"
+                    " tokenizer, dtype and block geometry)" % (name, identity, release, want, hybridpd.__version__)
+                )
+        return want
 
     def _prefill_names(self) -> list[str]:
         return [prefill_name(i) for i in range(self.cfg.num_prefill)]

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 
+import hybridpd
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine
 from hybridpd.errors import EngineError, HybridPDError, StartupError
@@ -36,6 +37,7 @@ class WorkerBase:
         return {
             "name": self.name,
             "model_id": self.engine.model_id,
+            "release": hybridpd.__version__,
             "pid": os.getpid(),
             "ray_node_id": _ray_node_id(),
             "pool": asdict(pool),
@@ -69,6 +71,11 @@ class WorkerBase:
 
     def model_id(self) -> str:
         return self.engine.model_id
+
+    def identity(self) -> tuple[str, str]:
+        """(the engine's model identity, the hybridpd release): what a router checks
+        before it attaches (``launch/stack.py``)."""
+        return self.engine.model_id, hybridpd.__version__
 
 
 @contextmanager

@@ -48,6 +48,7 @@ from hybridpd.engine.native.step import RowResult, ScheduledWork
 from hybridpd.engine.native.weights import load_weights
 from hybridpd.errors import ConfigError
 from hybridpd.hashing import BlockHash
+from hybridpd.model_identity import engine_identity
 
 
 @dataclass(slots=True)
@@ -73,7 +74,7 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = torch.float32 if cfg.engine_dtype() == "float32" else torch.bfloat16
         self.mcfg = HybridModelConfig.load(path / "config.json")
-        self.model_id = "%s@%s" % (path.name, self.mcfg.hidden_size)
+        self.model_id = engine_identity(cfg, path)  # the weights' digest, dtype, geometry, ...
         self.export_checkpoints = export_checkpoints
         weights = load_weights(path / "model.safetensors", self.dtype, self.device)
         self.model = HybridModel(self.mcfg, weights, self.device)

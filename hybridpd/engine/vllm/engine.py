@@ -79,6 +79,7 @@ from hybridpd.engine.vllm.sampling import token_logprobs, vllm_sampling
 from hybridpd.engine.vllm.stages import PLAIN, TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages, TailStage
 from hybridpd.errors import ConfigError, InvalidRequestError
 from hybridpd.hashing import BlockHasher
+from hybridpd.model_identity import engine_identity
 from hybridpd.procs import listen_ports
 
 logger = logging.getLogger(__name__)
@@ -210,7 +211,7 @@ class VllmEngine:
         self._check_shared_prefix_option(bool(kw.get(SHARED_PREFIX_OPTION)))
         #: the store segment this engine's store puts go to (``patches.store_puts_to_own_segment``)
         self.store_segment = store_puts_to_own_segment() if store is not None and role == "prefill" else None
-        self.model_id = "vllm:%s" % model_dir.name
+        self.model_id = engine_identity(cfg, model_dir)  # the weights' digest, vLLM's version, ...
         self.unit = cfg.prefix_match_unit
         self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
         self.spec = SpecStats()  # vLLM reports speculative decoding in its own metrics
