@@ -247,6 +247,20 @@ class HybridPDConfig(BaseModel):
         description="On SIGTERM (or Ctrl-C) the router admits nothing new and waits this long at most for the"
         " requests in flight to finish before it stops (a second signal stops it at once).",
     )
+    integrity_key_file: str | None = Field(
+        None,
+        description="File holding the deployment key (a mounted Secret; at least 16 bytes): store objects,"
+        " handoff descriptors and decode's token frames carry HMAC-SHA256 tags made with it, and the native"
+        " engine's block-hash seed derives from it. Unset: hybridpd up writes a random one for a local stack"
+        " (actor_placement any) in its workdir; elsewhere a public key, which stops accidents only.",
+    )
+    max_token_frame_bytes: int = Field(
+        1 << 20,
+        ge=4096,
+        le=1 << 30,
+        description="Largest token frame the router's sink takes from decode (token_channel zmq); a larger one"
+        " is refused and counted, and decode splits a chunk that would not fit.",
+    )
     allow_anonymous: bool = Field(
         False,
         description="Serve without API keys off loopback (anyone who reaches host may call the API);"
@@ -380,7 +394,8 @@ class HybridPDConfig(BaseModel):
             )
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("tls_key_file", "tls_cert_file and tls_key_file go together")
-        for name in ("tls_cert_file", "tls_key_file", "api_keys_file", "operator_api_keys_file"):
+        files = ("tls_cert_file", "tls_key_file", "api_keys_file", "operator_api_keys_file", "integrity_key_file")
+        for name in files:
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ConfigError(name, "no such file: %s" % path)
