@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.errors import ConfigError, StartupError, UnavailableError
-from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex, redacted_url
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import listen_ports, port_open
 from hybridpd.store.master import MooncakeMaster
@@ -86,7 +86,23 @@ class LocalStack:
     def _start_redis(self) -> None:
         if self.cfg.redis_url:
             probe = PrefixIndex(self.cfg.redis_url, "probe")
-            version, is_cluster = probe.server_info()  # fail fast with a clear error
+            try:
+                version, is_cluster = probe.server_info()  # fail fast with a clear error
+            except UnavailableError as exc:
+                import redis
+
+                if isinstance(exc.__cause__, redis.AuthenticationError) or "credentials" in str(exc):
+                    raise  # a wrong password is a config error, not an outage
+                # NOTE: an outage (a Redis restarting in a rollout, say) must not crash-loop the router:
+                # the index clients connect lazily, every lookup and publish is a miss until it is back
+                logger.warning(
+                    "the index's Redis at %s is not reachable (%s): serving without the prefix index"
+                    " (prompts are recomputed) until it is",
+                    redacted_url(self.cfg.redis_url),
+                    exc,
+                )
+                self.urls.redis_url = self.cfg.redis_url
+                return
             if is_cluster is not None and is_cluster != self.cfg.redis_cluster:
                 raise ConfigError(
                     "redis_cluster",
