@@ -27,13 +27,18 @@ COPY bench/ bench/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y
 
-# Build the bundled tiny model into the image (HYBRIDPD_HOME), so pods start without building it.
+# Build the bundled models into the image (HYBRIDPD_HOME), so pods start without building them:
+# the chart's pods run with a read-only root filesystem.
 ENV HYBRIDPD_HOME=/opt/hybridpd/home RAY_USAGE_STATS_ENABLED=0
-RUN python -m hybridpd.models.bundled
+RUN python -m hybridpd.models.bundled --model tiny && python -m hybridpd.models.bundled --model tiny-random
 
-# Ray runs as the same user in every pod of the RayCluster.
-RUN useradd --create-home --uid 1000 ray && chown -R ray /opt/hybridpd/home
-USER 1000
+# Not root: Ray runs as the same user ray (uid and gid 1000, the chart's podSecurityContext) in every pod of
+# the RayCluster. What it writes goes to /tmp (Ray's /tmp/ray, hybridpd up's workdir) and HOME (caches),
+# both emptyDir volumes in the chart's pods; the image's files are only read.
+# HYBRIDPD_HOME stays the user's, for a model built at first use where the root filesystem is writable.
+RUN groupadd --gid 1000 ray && useradd --create-home --uid 1000 --gid 1000 ray && chown -R ray:ray /opt/hybridpd/home
+ENV HOME=/home/ray
+USER 1000:1000
 EXPOSE 8000 50051
 ENTRYPOINT []
 CMD ["hybridpd", "up", "--config", "/etc/hybridpd/config.yaml"]

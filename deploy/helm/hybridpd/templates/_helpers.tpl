@@ -168,3 +168,76 @@ from its Secret (env overrides the config file, see hybridpd/config.py).
 {{- define "hybridpd.configChecksum" -}}
 {{- include (print $.Template.BasePath "/configmap.yaml") . | sha256sum -}}
 {{- end -}}
+
+{{/*
+A container's securityContext: the shared `securityContext` with the component's keys (.override)
+replacing its own (a plain key-by-key replace: sprig's merge functions skip false values).
+*/}}
+{{- define "hybridpd.securityContext" -}}
+{{- $sc := deepCopy .root.Values.securityContext -}}
+{{- range $k, $v := (default dict .override) -}}
+{{- $_ := set $sc $k $v -}}
+{{- end -}}
+{{- toYaml $sc -}}
+{{- end -}}
+
+{{/* HOME of the hybridpd image's user (Dockerfile): an emptyDir, as /tmp is, for the caches written there. */}}
+{{- define "hybridpd.homeDir" -}}/home/ray{{- end -}}
+
+{{/* The mounts and volumes of what a hybridpd container writes: the root filesystem may be read-only. */}}
+{{- define "hybridpd.writableMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: home
+  mountPath: {{ include "hybridpd.homeDir" . }}
+{{- end -}}
+
+{{- define "hybridpd.writableVolumes" -}}
+# /tmp (Ray's /tmp/ray, hybridpd up's workdir, torch's caches) and HOME (model and compile caches)
+- name: tmp
+  emptyDir: {}
+- name: home
+  emptyDir: {}
+{{- end -}}
+
+{{/*
+A PodDisruptionBudget over pods a RayCluster owns: .root, .name, .component, .budget (enabled,
+maxUnavailable), .replicas, .labels (the ray.io labels KubeRay gives the pods, besides ray.io/cluster).
+A RayCluster has no scale subresource, so the budget states an integer minAvailable (the only form
+Kubernetes honours for such pods): replicas - maxUnavailable.
+*/}}
+{{- define "hybridpd.rayBudget" -}}
+{{- if .budget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "hybridpd.rayClusterName" .root }}-{{ .name }}
+  labels:
+    {{- include "hybridpd.labels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  minAvailable: {{ max 0 (sub (int .replicas) (int .budget.maxUnavailable)) }}
+  selector:
+    matchLabels:
+      ray.io/cluster: {{ include "hybridpd.rayClusterName" .root }}
+      {{- toYaml .labels | nindent 6 }}
+{{- end }}
+{{- end -}}
+
+{{/* A PodDisruptionBudget over the pods of a Deployment or StatefulSet: .root, .name, .component, .budget. */}}
+{{- define "hybridpd.budget" -}}
+{{- if .budget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ include "hybridpd.fullname" .root }}-{{ .name }}
+  labels:
+    {{- include "hybridpd.labels" (dict "root" .root "component" .component) | nindent 4 }}
+spec:
+  maxUnavailable: {{ .budget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "hybridpd.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
+{{- end }}
+{{- end -}}

@@ -1,10 +1,12 @@
-{{/* A Ray pod template: .root, .component, .containerName, .resources, .gpus, .ports, .nodeSelector, .tolerations */}}
+{{/* A Ray pod template: .root, .component, .containerName, .resources, .gpus, .ports, .securityContext, .nodeSelector, .tolerations */}}
 {{- define "hybridpd.rayPod" -}}
 metadata:
   labels:
     {{- include "hybridpd.labels" (dict "root" .root "component" .component) | nindent 4 }}
 spec:
   automountServiceAccountToken: false
+  securityContext:
+    {{- toYaml .root.Values.podSecurityContext | nindent 4 }}
   {{- with .root.Values.imagePullSecrets }}
   imagePullSecrets:
     {{- range . }}
@@ -30,9 +32,13 @@ spec:
       {{- end }}
       resources:
         {{- toYaml $res | nindent 8 }}
+      # KubeRay gives the init container it adds to workers (wait-gcs-ready) this securityContext and these mounts
+      securityContext:
+        {{- include "hybridpd.securityContext" (dict "root" .root "override" .securityContext) | nindent 8 }}
       volumeMounts:
         - name: shm
           mountPath: /dev/shm
+        {{- include "hybridpd.writableMounts" .root | nindent 8 }}
         {{- if include "hybridpd.redisCaSecret" .root }}
         # the actors connect to Redis with the router's URL, whose ssl_ca_certs names this file
         - name: redis-ca
@@ -44,6 +50,7 @@ spec:
     - name: shm
       emptyDir:
         medium: Memory
+    {{- include "hybridpd.writableVolumes" .root | nindent 4 }}
     {{- with include "hybridpd.redisCaVolume" .root }}
     {{- . | nindent 4 }}
     {{- end }}
