@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from hybridpd.errors import ConfigError, IntegrityError
 
 if TYPE_CHECKING:  # NOTE: config.py imports this module's neighbours; only types here
     from hybridpd.config import HybridPDConfig
+
+logger = logging.getLogger(__name__)
 
 #: bytes of one tag (HMAC-SHA256)
 TAG_BYTES = 32
@@ -120,6 +123,25 @@ def write_key_file(path: Path) -> Path:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
     return path
+
+
+def stack_key(cfg: HybridPDConfig, workdir: Path) -> HybridPDConfig:
+    """``cfg`` as ``hybridpd up`` runs it: without ``integrity_key_file``, a local stack
+    (``actor_placement: any``: its actors are its own) gets a new random key, written
+    0600 as ``<workdir>/integrity.key`` and named in the config its actors get.
+    Shared (worker_groups) actors need the one key every router holds: without a file
+    they run on the public key (a warning says so). ConfigError for a bad key file."""
+    if cfg.integrity_key_file is None and cfg.actor_placement == "any":
+        path = workdir / "integrity.key"
+        path.unlink(missing_ok=True)  # a new key per start
+        cfg = cfg.model_copy(update={"integrity_key_file": str(write_key_file(path))})
+    elif cfg.integrity_key_file is None:
+        logger.warning(
+            "no integrity_key_file: store objects, handoffs and token frames carry tags of a public key,"
+            " which stop accidents only"
+        )
+    load_key(cfg)  # a bad key file fails here, not in every actor
+    return cfg
 
 
 def block_hash_seed(cfg: HybridPDConfig, key: IntegrityKey | None = None) -> str:

@@ -102,6 +102,13 @@ def auth_line(cfg: HybridPDConfig) -> str:
     return "none: the API is OPEN to anyone who reaches %s (allow_anonymous; set --api-keys-file)" % cfg.host
 
 
+def key_line(cfg: HybridPDConfig) -> str:
+    """The banner's word on the integrity key: its file (never the key)."""
+    if cfg.integrity_key_file is None:
+        return "none: a public key, checks stop accidents only (set --integrity-key-file)"
+    return cfg.integrity_key_file
+
+
 @cli.command()
 @click.option(
     "--workdir",
@@ -158,6 +165,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     click.echo("  gRPC                 %s:%d%s" % (cfg.host, cfg.grpc_port, " (TLS)" if cfg.tls_cert_file else ""))
     click.echo("  Metrics              %s://%s:%d/metrics" % (scheme, cfg.host, cfg.http_port))
     click.echo("  Auth                 %s" % auth_line(cfg))
+    click.echo("  Integrity key        %s" % key_line(stack.cfg))
     click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
     if urls.ray_address:
         click.echo("  Ray address          %s" % urls.ray_address)

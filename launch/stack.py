@@ -25,6 +25,7 @@ from hybridpd.config import HybridPDConfig
 from hybridpd.errors import ConfigError, StartupError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex, redacted_url
 from hybridpd.index.redis_server import RedisServer
+from hybridpd.integrity import load_key, stack_key
 from hybridpd.procs import listen_ports, port_open
 from hybridpd.store.master import MooncakeMaster
 from services.worker.api import DecodeClient, PrefillClient, decode_name, prefill_name
@@ -66,6 +67,7 @@ class LocalStack:
     def start(self) -> StackUrls:
         self.check()
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.cfg = stack_key(self.cfg, self.workdir)  # integrity.py: a local stack's own key
         try:
             self._start_redis()
             self._start_mooncake()
@@ -308,9 +310,15 @@ class LocalStack:
         )
         tok = TextTokenizer(Path(resolve_model(self.cfg)))
         prefill = {n: PrefillClient(n, h) for n, h in self.prefill.items()}
-        sink = self.token_sink = TokenSink(token_sink_host(self.cfg)) if self.cfg.token_channel == "zmq" else None
+        metrics = RouterMetrics()
+        cfg = self.cfg
+        sink = self.token_sink = (
+            TokenSink(token_sink_host(cfg), load_key(cfg), cfg.max_token_frame_bytes, metrics.token_frame_refused)
+            if cfg.token_channel == "zmq"
+            else None
+        )
         decode = {n: DecodeClient(n, h, sink) for n, h in self.decode.items()}
-        return Orchestrator(self.cfg, tok, self.model_id, index, prefill, decode, RouterMetrics())
+        return Orchestrator(self.cfg, tok, self.model_id, index, prefill, decode, metrics)
 
     async def actor_stats(self) -> dict:
         import asyncio

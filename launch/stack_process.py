@@ -112,6 +112,7 @@ class StackProcess:
         """``hybridpd up`` flags that start another router on this stack's Redis, store,
         Ray cluster and actors (``worker_groups``: it attaches to the named actors,
         never creates or closes them), as the Helm chart's router replicas attach.
+        With the stack's integrity key file (``key_args``).
         The flags of a later ``--redis-cluster`` stay the caller's to add; a Redis URL with a
         password is printed masked, so such a stack's caller adds its own ``--redis-url``."""
         return [
@@ -125,7 +126,14 @@ class StackProcess:
             self.banner("Mooncake metadata"),
             "--actor-placement",
             "worker_groups",
+            *self.key_args(),
         ]
+
+    def key_args(self) -> list[str]:
+        """``--integrity-key-file`` of this stack's key (the file ``hybridpd up`` printed;
+        none for a stack on the public key): every router and actor holds the one key."""
+        key = self.banner("Integrity key")
+        return [] if key.startswith("none") else ["--integrity-key-file", key]
 
     def banner(self, label: str) -> str:
         """The value ``hybridpd up`` printed after ``label`` (e.g. "Mooncake master")."""

@@ -320,8 +320,9 @@ class Engine(Protocol):
         ...
 
     def inject_fault(self, kind: str) -> None:
-        """Test hook (the worker checks the config allows it): ``corrupt_next_handoff``
-        (prefill) or ``delay_next_handoff_read`` (decode); ValueError for others."""
+        """Test hook (the worker checks the config allows it): ``corrupt_next_handoff``,
+        ``forge_next_handoff`` (prefill) or ``delay_next_handoff_read`` (decode);
+        ValueError for others."""
         ...
 
     def stats(self) -> PoolStats:

@@ -144,6 +144,10 @@ class EngineProfile:
     #: stop ids; False: the engine stops where its own server does (vLLM: EOS and the model's
     #: ``generation_config`` ids, which also end a grammar)
     tokenizer_stop_ids: bool = True
+    #: its block-hash chain is ours alone, so a deployment key may set its seed
+    #: (``integrity.block_hash_seed``); False: its hashes must equal the engine's own
+    #: (vLLM derives ``NONE_HASH`` from ``PYTHONHASHSEED``, i.e. ``hash_seed``)
+    keyed_hash_seed: bool = True
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -203,6 +207,7 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
         speculative_methods=frozenset({"eagle", "eagle3", "mtp"}),
         auto_cpu_split=True,
         tokenizer_stop_ids=False,
+        keyed_hash_seed=False,
     )
 
 

@@ -7,9 +7,11 @@ Keys (model-scoped; ``H`` is the hex chain hash)::
 
 A checkpoint at position ``p`` is ``p / u`` KV block objects plus one state
 object; blocks already in the store are not written again (chains share
-prefixes). Every object is checksummed (``objects.py``); a get verifies it.
-Errors: :class:`StoreMissError` (missing object: a stale index entry),
-``IntegrityError`` (corrupt), ``UnavailableError`` (the store failed).
+prefixes). Every object is checksummed and tagged with the deployment key
+under its own name (``objects.py``); a get verifies it. Errors:
+:class:`StoreMissError` (missing object: a stale index entry),
+:class:`BadObjectError` (corrupt, or not written with this deployment's key
+under that name), ``UnavailableError`` (the store failed).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from hybridpd.engine.base import BufferMeta, KVExport, StateCheckpoint
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError
 from hybridpd.hashing import BlockHash
+from hybridpd.integrity import PUBLIC, STORE_OBJECT, IntegrityKey, TagError
 from hybridpd.store import objects
 
 logger = logging.getLogger(__name__)
@@ -32,6 +35,17 @@ logger = logging.getLogger(__name__)
 
 class StoreMissError(NotFoundError):
     """An object the caller expected is not in the store."""
+
+
+class BadObjectError(IntegrityError):
+    """An object that failed verification. ``name``: its store key; ``forged``: its
+    checksum held but its keyed tag failed (written without this deployment's key, or
+    moved from another name), not an accident."""
+
+    def __init__(self, name: str, cause: IntegrityError) -> None:
+        super().__init__("store object %s: %s" % (name, cause))
+        self.name = name
+        self.forged = isinstance(cause, TagError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,12 +74,15 @@ class CheckpointStore:
         segment_bytes: int = 512 << 20,
         buffer_bytes: int = 128 << 20,
         local_host: str = "127.0.0.1",
+        key: IntegrityKey = PUBLIC,
     ) -> None:
+        """``key``: the deployment key every object is tagged and checked with."""
         if local_host in ("127.0.0.1", "localhost"):
             _loopback_env()
         from mooncake.store import MooncakeDistributedStore
 
         self.model_id = model_id
+        self._tagger = key.tagger(STORE_OBJECT)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(local_host, metadata_url, segment_bytes, buffer_bytes, "tcp", "", master)
         if rc != 0:
@@ -77,7 +94,10 @@ class CheckpointStore:
     # -- generic objects -------------------------------------------------------------
     def put_objects(self, items: Sequence[tuple[str, str, int, Sequence[torch.Tensor]]]) -> int:
         """Put ``(key, kind, position, buffers)`` items; returns bytes written."""
-        return sum(self._put(key, objects.encode(self.model_id, kind, pos, bufs)) for key, kind, pos, bufs in items)
+        return sum(self._put(key, self._encode(key, kind, pos, bufs)) for key, kind, pos, bufs in items)
+
+    def _encode(self, key: str, kind: str, pos: int, bufs: Sequence[torch.Tensor]) -> list[memoryview | bytes]:
+        return objects.encode(self.model_id, kind, pos, bufs, name=key, tagger=self._tagger)
 
     def _put(self, key: str, parts: Sequence[memoryview | bytes]) -> int:
         rc = self.store.put_parts(key, *parts)
@@ -91,7 +111,10 @@ class CheckpointStore:
         for key, data in zip(keys, datas, strict=True):
             if not data:
                 raise StoreMissError("store has no object %s" % key)
-            out.append(objects.decode(data, self.model_id, kind))
+            try:
+                out.append(objects.decode(data, self.model_id, kind, name=key, tagger=self._tagger))
+            except IntegrityError as exc:
+                raise BadObjectError(key, exc) from None
         return out
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
@@ -120,7 +143,8 @@ class CheckpointStore:
         pos = state.meta.position
         if state.key is None or len(kv.block_hashes) != kv.meta.position // unit or kv.meta.position < pos:
             raise ValueError("checkpoint must carry KV and the chain hashes of at least [0, %d)" % pos)
-        st_parts = objects.encode(self.model_id, "state", pos, list(state.buffers))
+        st_key = self.key("st", state.key)
+        st_parts = self._encode(st_key, "state", pos, list(state.buffers))
         if make_room is not None:
             make_room(sum(len(p) for p in st_parts))
         keys = [self.key("kv", h) for h in kv.block_hashes]
@@ -131,7 +155,7 @@ class CheckpointStore:
                 rows = slice(i * unit, (i + 1) * unit)
                 items.append((k, "kv", (i + 1) * unit, [b[rows] for b in kv.buffers]))
         nbytes = self.put_objects(items)
-        st_bytes = self._put(self.key("st", state.key), st_parts)
+        st_bytes = self._put(st_key, st_parts)
         return PutResult(len(items) + 1, nbytes + st_bytes, time.perf_counter() - t0, st_bytes)
 
     def get_checkpoint(
@@ -144,14 +168,18 @@ class CheckpointStore:
         pos = kv_pos if position is None else position
         if not block_hashes or pos <= 0 or pos % unit or pos > kv_pos:
             raise ValueError("bad checkpoint request: %d blocks, position %s" % (len(block_hashes), position))
-        blocks = self.get_objects([self.key("kv", h) for h in block_hashes], "kv")
+        kv_keys = [self.key("kv", h) for h in block_hashes]
+        blocks = self.get_objects(kv_keys, "kv")
         for i, (hdr, _) in enumerate(blocks):
             if hdr.position != (i + 1) * unit:
-                raise IntegrityError("kv block %d holds position %d" % (i, hdr.position))
+                raise BadObjectError(kv_keys[i], IntegrityError("kv block %d holds position %d" % (i, hdr.position)))
         state_hash = block_hashes[pos // unit - 1]
-        ((st_hdr, st_bufs),) = self.get_objects([self.key("st", state_hash)], "state")
+        st_key = self.key("st", state_hash)
+        ((st_hdr, st_bufs),) = self.get_objects([st_key], "state")
         if st_hdr.position != pos:
-            raise IntegrityError("state object holds position %d, expected %d" % (st_hdr.position, pos))
+            raise BadObjectError(
+                st_key, IntegrityError("state object holds position %d, expected %d" % (st_hdr.position, pos))
+            )
         n_bufs = len(blocks[0][1])
         kv_bufs = tuple(torch.cat([b[1][j] for b in blocks]) for j in range(n_bufs))
         kv_meta = BufferMeta(

@@ -1,12 +1,14 @@
+# Over 350 lines: both ends of one transfer protocol (offer, tag, read, verify, release, expiry) in one place.
 """NIXL handoff: prefill offers buffers, decode READs them, verifies, notifies.
 
 Lifecycle of one handoff::
 
-    prefill: offer(id, tensors, chunk_rows) -> HandoffDescriptor  (memory
-             registered, xxh3 checksum per buffer, or per chunk of
-             ``chunk_rows`` rows; expiry = now + timeout)
-    decode:  fetch(desc, skip_chunks) -> READ every buffer but the skipped
-             chunks -> verify what was read -> send "release:<id>" -> tensors
+    prefill: offer(id, tensors, chunk_rows, context) -> HandoffDescriptor
+             (memory registered, xxh3 checksum per buffer, or per chunk of
+             ``chunk_rows`` rows; expiry = now + timeout; a keyed tag)
+    decode:  fetch(desc, skip_chunks, context) -> check the tag -> READ every
+             buffer but the skipped chunks -> verify what was read -> send
+             "release:<id>" -> tensors
     prefill: on "release:<id>" or at expiry: scrub (zero) and deregister.
 
 Chunks: a buffer offered with ``chunk_rows = r`` is checksummed in chunks of
@@ -19,6 +21,17 @@ A decode that comes after the expiry gets ``HandoffError`` (checked before
 reading; and since expired buffers are zeroed before they are released, a
 read that races the expiry fails verification instead of returning stale
 bytes). Corrupted bytes raise ``IntegrityError`` and are never returned.
+
+Keyed tag: the descriptor carries an HMAC-SHA256 tag (the deployment key's
+handoff subkey, ``hybridpd/integrity.py``) of every field that says what to
+read and from whom (agent name and metadata, addresses, shapes, sizes, every
+checksum, expiry) and of the caller's ``context`` (the engine's ticket
+metadata: request id, first token, buffer metas, block hashes). Decode checks
+it before it touches the remote agent: a descriptor not offered with this
+deployment's key, or changed on the way, raises
+:class:`~hybridpd.integrity.TagError` (an ``IntegrityError``) and is never
+read. The bytes themselves are checked by their xxh3 checksums, which the tag
+covers.
 DRAM on CPU (UCX, cross-memory-attach on loopback); VRAM for CUDA tensors.
 
 Progress: the agents run without NIXL's UCX progress thread (the Python API
@@ -32,7 +45,10 @@ next ``offer()``. An idle server makes no calls at all.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import struct
 import threading
 import time
 import uuid
@@ -44,6 +60,7 @@ import torch
 import xxhash
 
 from hybridpd.errors import HybridPDError, IntegrityError
+from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey, Tagger
 from hybridpd.store.objects import DTYPES, raw_bytes
 
 logger = logging.getLogger(__name__)
@@ -103,6 +120,8 @@ class HandoffDescriptor:
     mem_type: str  # "DRAM" or "VRAM"
     buffers: tuple[BufferSpec, ...]
     expires_at: float  # wall clock (time.time())
+    #: keyed tag of the fields above and the offer's context (:func:`tag_descriptor`)
+    tag: bytes = b""
 
     @property
     def nbytes(self) -> int:
@@ -111,6 +130,29 @@ class HandoffDescriptor:
     def read_bytes(self, skip_chunks: frozenset[int] = frozenset()) -> int:
         """Bytes a fetch skipping ``skip_chunks`` moves."""
         return sum(b - a for spec in self.buffers for a, b in spec.kept_ranges(skip_chunks))
+
+
+def _signed(desc: HandoffDescriptor, context: bytes) -> tuple[bytes, ...]:
+    """What a descriptor's tag covers: every field but the tag, then ``context``
+    (lengths first, so no two different inputs concatenate alike)."""
+    specs = [
+        [list(b.shape), b.dtype, b.nbytes, b.xxh3, b.addr, b.dev_id, b.chunk_rows, list(b.chunk_xxh3)]
+        for b in desc.buffers
+    ]
+    body = json.dumps(
+        [desc.handoff_id, desc.agent_name, desc.mem_type, desc.expires_at, specs], separators=(",", ":")
+    ).encode()
+    return struct.pack("<QQQ", len(body), len(desc.agent_metadata), len(context)), body, desc.agent_metadata, context
+
+
+def tag_descriptor(desc: HandoffDescriptor, tagger: Tagger, context: bytes = b"") -> HandoffDescriptor:
+    """``desc`` with its keyed tag over its fields and ``context``."""
+    return dataclasses.replace(desc, tag=tagger.tag(*_signed(desc, context)))
+
+
+def check_descriptor(desc: HandoffDescriptor, tagger: Tagger, context: bytes = b"") -> None:
+    """TagError unless ``desc``'s tag is this key's over its fields and ``context``."""
+    tagger.check(desc.tag, *_signed(desc, context), what="handoff %s" % desc.handoff_id)
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -152,9 +194,12 @@ class HandoffServer:
     notifications and at expiry; ``close()`` frees everything. It polls
     every ``poll_s`` while offers are outstanding and sleeps otherwise."""
 
-    def __init__(self, name: str | None = None, timeout_s: float = 30.0, poll_s: float = 0.001) -> None:
+    def __init__(
+        self, name: str | None = None, timeout_s: float = 30.0, poll_s: float = 0.001, key: IntegrityKey = PUBLIC
+    ) -> None:
         self.name = name or "prefill-%s" % uuid.uuid4().hex[:8]
         self.timeout_s = timeout_s
+        self._tagger = key.tagger(HANDOFF)
         self.agent = _agent(self.name)
         self.offers: dict[str, _Offer] = {}
         # NOTE: one lock for the offers AND every agent call: the poll thread
@@ -170,10 +215,15 @@ class HandoffServer:
         self._thread.start()
 
     def offer(
-        self, tensors: Sequence[torch.Tensor], handoff_id: str | None = None, chunk_rows: Sequence[int] = ()
+        self,
+        tensors: Sequence[torch.Tensor],
+        handoff_id: str | None = None,
+        chunk_rows: Sequence[int] = (),
+        context: bytes = b"",
     ) -> HandoffDescriptor:
         """Offer ``tensors`` (one device); ``chunk_rows[i]`` > 0 checksums buffer ``i``
-        in chunks of that many rows, which a reader may skip (missing entries: 0)."""
+        in chunks of that many rows, which a reader may skip (missing entries: 0). The
+        descriptor's tag also covers ``context``, which the reader must present again."""
         hid = handoff_id or uuid.uuid4().hex
         owned = [t.detach().contiguous() for t in tensors]
         rows = list(chunk_rows) + [0] * (len(owned) - len(chunk_rows))
@@ -185,7 +235,7 @@ class HandoffServer:
             self.offers[hid] = _Offer(owned, reg, expires)
         self._work.set()
         mem = _mem_type(owned[0].device) if owned else "DRAM"
-        return HandoffDescriptor(hid, self.name, metadata, mem, specs, expires)
+        return tag_descriptor(HandoffDescriptor(hid, self.name, metadata, mem, specs, expires), self._tagger, context)
 
     def outstanding(self) -> int:
         with self.lock:
@@ -268,8 +318,9 @@ def _verified(t: torch.Tensor, spec: BufferSpec, skip: frozenset[int]) -> bool:
 class HandoffClient:
     """Decode side."""
 
-    def __init__(self, name: str | None = None, read_timeout_s: float = 30.0) -> None:
+    def __init__(self, name: str | None = None, read_timeout_s: float = 30.0, key: IntegrityKey = PUBLIC) -> None:
         self.name = name or "decode-%s" % uuid.uuid4().hex[:8]
+        self._tagger = key.tagger(HANDOFF)
         self.agent = _agent(self.name)
         self.read_timeout_s = read_timeout_s
         self.remotes: dict[str, tuple[str, bytes]] = {}
@@ -286,11 +337,17 @@ class HandoffClient:
         return name
 
     def fetch(
-        self, desc: HandoffDescriptor, device: str = "cpu", skip_chunks: frozenset[int] = frozenset()
+        self,
+        desc: HandoffDescriptor,
+        device: str = "cpu",
+        skip_chunks: frozenset[int] = frozenset(),
+        context: bytes = b"",
     ) -> list[torch.Tensor]:
-        """READ, verify and release one handoff; returns owned tensors. Chunks
-        ``skip_chunks`` of every chunked buffer are neither read nor verified (their
-        rows are uninitialised: the caller holds them)."""
+        """Check the tag (with the offer's ``context``), READ, verify and release one
+        handoff; returns owned tensors. Chunks ``skip_chunks`` of every chunked buffer
+        are neither read nor verified (their rows are uninitialised: the caller holds
+        them)."""
+        check_descriptor(desc, self._tagger, context)  # before anything of it is used
         if time.time() >= desc.expires_at:
             raise HandoffError("handoff %s expired before it was read" % desc.handoff_id)
         remote = self._remote(desc)

@@ -33,6 +33,7 @@ from hybridpd.engine.base import Engine, EngineRequest, HandoffTicket
 from hybridpd.engine.factory import make_engine
 from hybridpd.errors import IntegrityError, InvalidRequestError, OverloadedError, UnavailableError
 from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.integrity import TagError, load_key
 from services.worker.base import WorkerBase, ray_metrics, startup_guard
 from services.worker.engine_loop import EngineLoop
 from services.worker.index_mirror import IndexMirror
@@ -76,7 +77,7 @@ class DecodeWorker(WorkerBase):
         )
         self.mirror = IndexMirror(name, self.index, self.counters, self.stats_lock) if self.index else None
         self.loop = EngineLoop(self.engine, after_step=self._collect_events)
-        self.sender = TokenSender()
+        self.sender = TokenSender(load_key(cfg), cfg.max_token_frame_bytes)
         self._stop = threading.Event()
         if self.index is not None:
             threading.Thread(target=self._refresh, name="index-refresh", daemon=True).start()
@@ -103,11 +104,12 @@ class DecodeWorker(WorkerBase):
         ``sink`` (a router's ``TokenSink`` address) sends them there and yields nothing
         (``token_channel.py``): this call then only ends, or raises, with the request."""
         with self.engine_errors():
+            out = None if sink is None else self.sender.stream(sink, request.request_id)
             for chunk in self._generate(prefill, request):
-                if sink is None:
+                if out is None:
                     yield chunk
                 else:
-                    self.sender.send(sink, request.request_id, chunk)
+                    out.send(chunk)
 
     def _fetch(self, prefill: PrefillResult, request: EngineRequest) -> HandoffTicket | None:
         """The handoff's bytes, moved and verified by the engine (outside the engine lock);
@@ -127,7 +129,10 @@ class DecodeWorker(WorkerBase):
             if held:
                 with self.loop.lock:
                     self.engine.abort(request.request_id)  # releases what prepare_handoff held
-            if isinstance(exc, IntegrityError):
+            if isinstance(exc, TagError):  # not offered with this deployment's key: never read
+                with self.stats_lock:
+                    self.counters.handoff_tag_failures += 1
+            elif isinstance(exc, IntegrityError):
                 with self.stats_lock:
                     self.counters.checksum_failures += 1
             raise

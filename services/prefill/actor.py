@@ -31,7 +31,8 @@ from hybridpd.engine.factory import make_engine
 from hybridpd.engine.profile import EngineProfile, profile_of
 from hybridpd.errors import IntegrityError, UnavailableError
 from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
-from hybridpd.store.client import CheckpointStore
+from hybridpd.integrity import load_key
+from hybridpd.store.client import BadObjectError, CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
 from services.prefill.answers import AnswerCheckpoints
 from services.prefill.publisher import CachePublisher
@@ -106,7 +107,7 @@ class PrefillWorker(WorkerBase):
         )
         self.index = PrefixIndex(redis_url, self.engine.model_id, cluster=cfg.redis_cluster) if redis_url else None
         self.store = (
-            CheckpointStore(*store_addr, self.engine.model_id, local_host=_store_host(cfg))
+            CheckpointStore(*store_addr, self.engine.model_id, local_host=_store_host(cfg), key=load_key(cfg))
             if store_addr is not None and self.engine.imports_checkpoints  # vLLM: its connector
             else None
         )
@@ -234,7 +235,7 @@ class PrefillWorker(WorkerBase):
         hashes = self.engine.hasher.chain(tokens[:kv_end], cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
-            ck = fetch_checkpoint(self.index, self.store, hashes, u, cmd.store_hit)
+            ck = fetch_checkpoint(self.index, self.store, hashes, u, cmd.store_hit, self._refused)
             self._observe("store_get_seconds", time.perf_counter() - t0)
         except Exception as exc:  # store/index failures of any kind degrade, never fail
             logger.warning("store load failed (%s): recomputing", exc)
@@ -255,6 +256,13 @@ class PrefillWorker(WorkerBase):
             self.counters.prefill_store_loads += int(ok)
             self.counters.prefill_store_load_failures += int(not ok)
         return cmd.store_hit if ok else 0
+
+    def _refused(self, exc: IntegrityError) -> None:
+        """A store object the loader refused: one whose checksum held but whose keyed tag
+        failed is counted apart (written without this deployment's key)."""
+        if isinstance(exc, BadObjectError) and exc.forged:
+            with self.stats_lock:
+                self.counters.store_tag_failures += 1
 
     def answer(self, req: EngineRequest) -> bool:
         """Make ``req`` (a finished chat's prompt + answer, ``background``) part of the

@@ -131,3 +131,16 @@ class RouterMetrics:
         )
         for source in ("primary", "replica"):
             self.index_lookups.labels(source)
+        self.token_frames_refused = Counter(
+            "hybridpd_token_frames_refused",
+            "Token frames the router's sink refused, by reason: oversize (over max_token_frame_bytes), tag (not"
+            " made with this deployment's key), malformed, sequence (replayed or out of order).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("oversize", "tag", "malformed", "sequence"):
+            self.token_frames_refused.labels(reason)
+
+    def token_frame_refused(self, reason: str) -> None:
+        """The token sink refused a frame (``TokenSink``'s ``on_refused``)."""
+        self.token_frames_refused.labels(reason).inc()

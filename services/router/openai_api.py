@@ -45,7 +45,11 @@ from services.worker.api import WorkerClient
 logger = logging.getLogger(__name__)
 
 #: fault -> the kind of instance it is injected into
-FAULT_KINDS = {"corrupt_next_handoff": "prefill", "delay_next_handoff_read": "decode"}
+FAULT_KINDS = {
+    "corrupt_next_handoff": "prefill",
+    "forge_next_handoff": "prefill",
+    "delay_next_handoff_read": "decode",
+}
 
 _ERR = {"model": ErrorResponse}
 AUTH_RESPONSES: dict[int | str, dict[str, Any]] = {401: {**_ERR, "description": "Missing or unknown API key"}}

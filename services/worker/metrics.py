@@ -102,6 +102,10 @@ class PrefillCounters:
     prefill_loaded_tokens: int = _counter("Prompt tokens restored from a cache (local or store).")
     prefill_store_loads: int = _counter("Checkpoints loaded from MooncakeStore.")
     prefill_store_load_failures: int = _counter("Store loads that failed (stale or corrupt): recomputed.")
+    store_tag_failures: int = _counter(
+        "Store objects whose checksum held but whose keyed tag failed (written without this deployment's key,"
+        " or copied from another key): refused and deleted, the prompt recomputed."
+    )
     checkpoint_exports: int = _counter("Checkpoints put in the store and published.")
     checkpoint_export_bytes: int = _counter("Bytes of checkpoints put in the store.")
     checkpoint_export_failures: int = _counter("Checkpoints that could not be stored or published.")
@@ -142,6 +146,9 @@ class DecodeCounters:
     )
     delta_handoffs: int = _counter("Handoffs that read only the blocks this instance lacked (held at least one).")
     checksum_failures: int = _counter("Handoffs whose checksum failed (never used).")
+    handoff_tag_failures: int = _counter(
+        "Handoffs whose descriptor failed its keyed tag (not offered with this deployment's key): never read."
+    )
     cache_events_published: int = _counter("Local cache changes (stored / removed / cleared) written to the index.")
     cache_events_dropped: int = _counter("Local cache changes the index did not take (unavailable).")
 

@@ -15,6 +15,7 @@ from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.profile import profile_of
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import LookupResult, PrefixIndex
+from hybridpd.integrity import block_hash_seed
 from hybridpd.models.bundled import resolve_model_dir
 from hybridpd.tokenizer import TextTokenizer
 from launch.stack_process import StackProcess
@@ -50,15 +51,17 @@ class Stack(StackProcess):
         return PrefixIndex(self.banner("Redis (prefix index)"), self.stats()["prefill-0"]["model_id"], cluster=cluster)
 
     @cached_property
-    def _hasher(self) -> BlockHasher:
-        cfg = load_config(env={})
-        return BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+    def hasher(self) -> BlockHasher:
+        """The router's block hasher: its seed derives from the stack's integrity key."""
+        key = self.key_args()
+        cfg = load_config(env={}, overrides={"integrity_key_file": key[1] if key else None})
+        return BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=block_hash_seed(cfg))
 
     def lookup(self, tokens: Sequence[int], cache_salt: str | None = None) -> LookupResult:
         """What the router's lookup of ``tokens`` finds in the prefix index now."""
         replay = profile_of(load_config(env={}, overrides={"eagle": "--eagle" in self.extra_args})).eagle_drop_prefill
-        chain = self._hasher.chain(list(tokens), cache_salt=cache_salt)
-        return self.index.lookup(chain, len(tokens), self._hasher.unit, replay)
+        chain = self.hasher.chain(list(tokens), cache_salt=cache_salt)
+        return self.index.lookup(chain, len(tokens), self.hasher.unit, replay)
 
     def wait_store_hit(
         self, tokens: Sequence[int], at_least: int = 1, cache_salt: str | None = None, timeout_s: float = 30.0

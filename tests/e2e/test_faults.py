@@ -21,10 +21,11 @@ from openai import OpenAI
 from hybridpd.config import load_config
 from hybridpd.engine.profile import profile_of
 from hybridpd.errors import UnavailableError
-from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import redis_server_binary
+from hybridpd.integrity import PUBLIC, STORE_OBJECT, read_key
 from hybridpd.procs import port_open
+from hybridpd.store import objects
 from hybridpd.store.client import CheckpointStore
 from tests.e2e.conftest import Stack
 from tests.unit.engine_helpers import prompt
@@ -89,6 +90,58 @@ def _prefill_stats(stack: Stack, key: str) -> dict[str, float]:
     return {name: s[key] for name, s in stack.stats().items() if name.startswith("prefill-")}
 
 
+def test_a_handoff_not_tagged_with_the_key_is_refused_and_redone(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    """prefill-0 tags its next offer with a key no deployment holds: decode refuses it
+    before reading (TagError, counted apart from checksum failures), the router
+    prefills again on the other instance, and the output is exact."""
+    run, _ = reference
+    tokens = list(prompt(150, 71))
+    tags = fstack.stats()["decode-0"]["handoff_tag_failures"]
+    checksums = fstack.stats()["decode-0"]["checksum_failures"]
+    retries = _metric(fstack, 'hybridpd_retries_total{kind="handoff"}')
+    r = httpx.post(fstack.http + "/v1/hybridpd/faults", json={"forge_next_handoff": "prefill-0"})
+    assert r.status_code == 200, r.text
+    got = _complete(fstack, tokens, hybridpd_prefill_instance="prefill-0")
+    assert got.choices[0].token_ids == run(tokens, 6)  # type: ignore[attr-defined]
+    assert _metric(fstack, 'hybridpd_retries_total{kind="handoff"}') == retries + 1
+    decode = fstack.stats()["decode-0"]
+    assert decode["handoff_tag_failures"] == tags + 1 and decode["checksum_failures"] == checksums
+
+
+def test_a_forged_store_object_is_refused_deleted_and_recomputed(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
+    """A peer that reaches the store but not the key overwrites a prompt's state object
+    with a changed state and a valid checksum (tagged with the public key): the next
+    prefill refuses it (nothing restored, counted), deletes it, and the output is exact."""
+    run, _ = reference
+    u = load_config(env={}).prefix_match_unit
+    model_id = fstack.stats()["prefill-0"]["model_id"]
+    base = list(prompt(300, 72))
+    ext = base + list(prompt(40, 73))
+    _complete(fstack, base, hybridpd_prefill_instance="prefill-0")
+    pos = fstack.wait_store_hit(ext, timeout_s=20)
+    (key_file,) = fstack.key_args()[1:]
+    master = (fstack.banner("Mooncake master"), fstack.banner("Mooncake metadata"))
+    store = CheckpointStore(*master, model_id, segment_bytes=16 << 20, key=read_key(key_file))
+    try:
+        name = store.key("st", fstack.hasher.chain(base)[pos // u - 1])
+        ((hdr, bufs),) = store.get_objects([name], "state")  # the real one passes with the stack's key
+        forged = [b.clone() for b in bufs]
+        forged[0].view(-1)[:64] += 1.0  # a state that would steer the continuation
+        parts = objects.encode(model_id, "state", hdr.position, forged, name=name, tagger=PUBLIC.tagger(STORE_OBJECT))
+        assert store.remove([name]) == []
+        assert store.store.put_parts(name, *parts) == 0
+        failures = _prefill_stats(fstack, "prefill_store_load_failures")["prefill-1"]
+        tags = _prefill_stats(fstack, "store_tag_failures")["prefill-1"]
+        got = _complete(fstack, ext, hybridpd_prefill_instance="prefill-1")
+        assert got.choices[0].token_ids == run(ext, 6)  # type: ignore[attr-defined]
+        assert got.usage.prompt_tokens_details.cached_tokens == 0  # nothing restored from the forgery
+        assert _prefill_stats(fstack, "prefill_store_load_failures")["prefill-1"] == failures + 1
+        assert _prefill_stats(fstack, "store_tag_failures")["prefill-1"] == tags + 1
+        assert store.exists([name]) == [False] or store.get_objects([name], "state")[0][0].position == pos
+    finally:
+        store.close()
+
+
 def test_decode_too_late_prefill_frees_and_request_is_redone(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
     run, _ = reference
     tokens = list(prompt(140, 67))
@@ -116,7 +169,7 @@ def test_decode_too_late_prefill_frees_and_request_is_redone(fstack: Stack, refe
 def test_store_objects_deleted_behind_the_index(fstack: Stack, reference) -> None:  # type: ignore[no-untyped-def]
     run, _ = reference
     cfg = load_config(env={})  # the stack runs on the defaults
-    hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+    hasher = fstack.hasher  # seeded from the stack's integrity key
     model_id = fstack.stats()["prefill-0"]["model_id"]
     index = PrefixIndex(fstack.banner("Redis (prefix index)"), model_id)
     base = list(prompt(300, 68))

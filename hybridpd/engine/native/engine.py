@@ -69,6 +69,7 @@ from hybridpd.engine.native.step import RowResult, ScheduledWork
 from hybridpd.engine.profile import native_profile
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.hashing import BlockHasher
+from hybridpd.integrity import block_hash_seed, load_key
 from hybridpd.validation import check_features, validate_request
 
 __all__ = ["NativeEngine", "SpecStats"]
@@ -113,7 +114,8 @@ class NativeEngine:
         self.mcfg = self.runner.mcfg
         self.device = self.runner.device
         self.model_id = self.runner.model_id
-        self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        key = load_key(cfg)  # the deployment key: handoff tags and the chain's seed
+        self.hasher = BlockHasher(unit=self.unit, algo=cfg.hash_algo, seed=block_hash_seed(cfg, key))
         self.cache = PrefixCache(
             self.runner,
             self.hasher,
@@ -128,7 +130,7 @@ class NativeEngine:
         self.kv_pool = self.cache.kv_pool
         self.state_pool = self.cache.state_pool
         self.scheduler = Scheduler(SchedulerConfig.of(cfg, role), self.kv_pool, self.state_pool)
-        self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device, self.unit)
+        self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device, self.unit, key)
         #: handoffs of finished prefill_only requests, until pop_handoff (another thread)
         self._handoffs: dict[str, Handoff] = {}
         #: rid -> {block index: cached pool block} a delta handoff holds (prepare_handoff)
@@ -364,7 +366,8 @@ class NativeEngine:
 
     def inject_fault(self, kind: str) -> None:
         """``corrupt_next_handoff``: the next offer's state changes after its checksum
-        (every read moves the state, a delta handoff too); ``delay_next_handoff_read``:
+        (every read moves the state, a delta handoff too); ``forge_next_handoff``: the
+        next offer is tagged with a key no deployment holds; ``delay_next_handoff_read``:
         the next fetch starts after the ticket expired."""
         self.transport.inject(kind)
 

@@ -24,6 +24,11 @@ prompt's full blocks. A decode engine whose prefix cache holds some of them
 (``NativeEngine.prepare_handoff``) and READs only the other blocks, the
 partial last one, the state and the draft hidden (:attr:`FetchedHandoff.held`).
 
+Keyed tag: the offer's descriptor is tagged with the deployment key over the
+ticket's metadata too (:func:`ticket_context`: request id, first token, cached
+tokens, buffer metas, block hashes), so decode refuses a ticket changed on the
+way, or one not offered with its key (``TagError``, before any read).
+
 :class:`HandoffTransport` is the engine's NIXL plumbing. Its agents start on
 first use (a prefill engine's server on the first offer, a decode engine's
 client on the first fetch) and its methods are thread-safe: the workers call
@@ -33,6 +38,7 @@ client on the first fetch) and its methods are thread-safe: the workers call
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -53,7 +59,8 @@ from hybridpd.engine.base import (
 )
 from hybridpd.errors import IntegrityError
 from hybridpd.hashing import BlockHash
-from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffDescriptor, HandoffServer
+from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey
+from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffDescriptor, HandoffServer, tag_descriptor
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +70,9 @@ MAX_TRACKED_OFFERS = 4096
 #: the faults ``inject_fault`` knows (each hits the next handoff once)
 CORRUPT_NEXT = "corrupt_next_handoff"
 DELAY_NEXT_READ = "delay_next_handoff_read"
+FORGE_NEXT = "forge_next_handoff"
+#: the key a forged offer is tagged with (``forge_next_handoff``): not any deployment's
+FORGER_KEY = IntegrityKey(b"forge_next_handoff: a key no deployment holds")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +98,19 @@ class Handoff:
     def buffers(self) -> tuple[torch.Tensor, ...]:
         """Every buffer, in the order a ticket's descriptor lists them."""
         return (*self.kv.buffers, *self.state.buffers, *self.draft.buffers)
+
+
+def ticket_context(
+    request_id: str,
+    first_token_id: int,
+    num_cached_tokens: int,
+    metas: Sequence[BufferMeta],
+    block_hashes: Sequence[BlockHash],
+) -> bytes:
+    """What a ticket says besides its descriptor, as its descriptor's tag covers it."""
+    m = [[x.model_id, x.kind, x.position, x.dtype, [list(s) for s in x.shapes], x.layer_group] for x in metas]
+    body = [request_id, first_token_id, num_cached_tokens, m, [h.hex() for h in block_hashes]]
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -120,6 +143,11 @@ class NativeTicket(HandoffTicket):
             num_cached_tokens=handoff.num_cached_tokens,
             block_hashes=tuple(handoff.kv.block_hashes),
         )
+
+    def context(self) -> bytes:
+        """The metadata the descriptor's tag covers (:func:`ticket_context`)."""
+        metas = (self.kv_meta, self.state_meta, self.draft_meta)
+        return ticket_context(self.request_id, self.first_token_id, self.num_cached_tokens, metas, self.block_hashes)
 
     def rebuild(self, request: EngineRequest, bufs: Sequence[torch.Tensor]) -> Handoff:
         """The Handoff of the READ buffers ``bufs`` (split by the metas' shape counts)."""
@@ -159,8 +187,11 @@ class FetchedHandoff(HandoffTicket):
 class HandoffTransport:
     """The NIXL side of one engine: offers (prefill), fetches (decode), faults, stats."""
 
-    def __init__(self, instance: str, timeout_s: float, device: str, unit: int = 0) -> None:
+    def __init__(
+        self, instance: str, timeout_s: float, device: str, unit: int = 0, key: IntegrityKey = PUBLIC
+    ) -> None:
         self.instance = instance
+        self.key = key  # the deployment key the descriptors are tagged and checked with
         self.unit = unit  # KV rows per checksummed chunk (one block); 0: whole buffers
         self.timeout_s = timeout_s
         self.device = device
@@ -172,6 +203,7 @@ class HandoffTransport:
         self._fault_lock = threading.Lock()
         self._corrupt_next = False
         self._delay_next_read = False
+        self._forge_next = False
         self._closed = False
         #: request id -> its latest offer's id (for ``withdraw``), oldest first
         self._offered: OrderedDict[str, str] = OrderedDict()
@@ -183,6 +215,8 @@ class HandoffTransport:
         with self._fault_lock:
             if kind == CORRUPT_NEXT:
                 hit, self._corrupt_next = self._corrupt_next, False
+            elif kind == FORGE_NEXT:
+                hit, self._forge_next = self._forge_next, False
             else:
                 hit, self._delay_next_read = self._delay_next_read, False
         return hit
@@ -193,6 +227,8 @@ class HandoffTransport:
                 self._corrupt_next = True
             elif kind == DELAY_NEXT_READ:
                 self._delay_next_read = True
+            elif kind == FORGE_NEXT:
+                self._forge_next = True
             else:
                 raise ValueError("unknown fault %r" % kind)
 
@@ -202,7 +238,7 @@ class HandoffTransport:
             if self._closed:
                 raise RuntimeError("handoff transport of %s is closed" % self.instance)
             if self._server is None:
-                self._server = HandoffServer(self._agent_name(), timeout_s=self.timeout_s)
+                self._server = HandoffServer(self._agent_name(), timeout_s=self.timeout_s, key=self.key)
             return self._server
 
     def offer(self, handoff: Handoff) -> NativeTicket:
@@ -212,7 +248,9 @@ class HandoffTransport:
         rid = handoff.request.request_id
         hid = "%s~%s" % (rid, uuid.uuid4().hex[:12])
         chunked = [self.unit] * len(handoff.kv.buffers)  # KV: one chunk per block; state, draft: whole
-        desc = self._get_server().offer(handoff.buffers(), hid, chunk_rows=chunked)
+        metas = (handoff.kv.meta, handoff.state.meta, handoff.draft.meta)
+        context = ticket_context(rid, handoff.first_token_id, handoff.num_cached_tokens, metas, handoff.kv.block_hashes)
+        desc = self._get_server().offer(handoff.buffers(), hid, chunk_rows=chunked, context=context)
         with self._server_lock:
             self._offered[rid] = hid
             while len(self._offered) > MAX_TRACKED_OFFERS:  # read or expired long ago
@@ -222,6 +260,9 @@ class HandoffTransport:
             # NOTE: in the state, which every read moves (a delta handoff may skip KV block 0)
             with torch.inference_mode():
                 handoff.state.buffers[0].view(-1)[0] += 1.0
+        if self._take_fault(FORGE_NEXT):  # as a peer without the deployment key would offer it
+            logger.warning("fault injection: tagging handoff %s with a key decode does not hold", rid)
+            desc = tag_descriptor(desc, FORGER_KEY.tagger(HANDOFF), context)
         return NativeTicket.offered(handoff, desc)
 
     def withdraw(self, request_id: str) -> bool:
@@ -251,8 +292,10 @@ class HandoffTransport:
             if self._closed:
                 raise RuntimeError("handoff transport of %s is closed" % self.instance)
             if self._client is None:
-                self._client = HandoffClient(self._agent_name())
-            bufs = self._client.fetch(desc, device=self.device, skip_chunks=held)
+                self._client = HandoffClient(self._agent_name(), key=self.key)
+            if (ticket.nbytes, ticket.expires_at) != (desc.nbytes, desc.expires_at):
+                raise IntegrityError("handoff %s: its ticket and descriptor disagree" % ticket.request_id)
+            bufs = self._client.fetch(desc, device=self.device, skip_chunks=held, context=ticket.context())
         handoff = ticket.rebuild(request, bufs)
         read = desc.read_bytes(held)
         return FetchedHandoff(
