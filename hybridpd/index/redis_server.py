@@ -43,8 +43,15 @@ class RedisServer(ManagedProcess):
         self.host = host
         self.port = port or free_port(host)
         self.password = password
-        argv = [
-            redis_server_binary(),
+        argv = [redis_server_binary()]
+        if password:
+            # NOTE: never on the command line (ps shows it to every user): a 0600 config file
+            workdir.mkdir(parents=True, exist_ok=True)
+            conf = workdir / ("redis-%d.conf" % self.port)
+            conf.touch(mode=0o600)
+            conf.write_text('requirepass "%s"\n' % password.replace("\\", "\\\\").replace('"', '\\"'))
+            argv.append(str(conf))
+        argv += [
             "--bind",
             host,
             "--port",
@@ -58,8 +65,6 @@ class RedisServer(ManagedProcess):
             "--protected-mode",
             "no",
         ]
-        if password:
-            argv += ["--requirepass", password]
         argv += extra_args or []
         super().__init__("redis-server", argv, workdir / ("redis-%d.log" % self.port))
 

@@ -7,6 +7,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -208,11 +209,13 @@ def test_outage_raises_typed_error_then_recovers(tmp_path: Path) -> None:
 
 
 def test_auth(tmp_path: Path) -> None:
-    srv = RedisServer(tmp_path, password="s3cret")
+    srv = RedisServer(tmp_path, password='s3"cret\\x')
     srv.start()
     try:
         assert PrefixIndex(srv.url, "m").ping()
-        bad = PrefixIndex(srv.url.replace("s3cret", "wrong"), "m")
+        lines = [" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"])]
+        assert not any("s3" in line for line in lines if "redis-server" in line)  # not on a command line
+        bad = PrefixIndex(srv.url.replace(srv.password or "", "wrong"), "m")
         with pytest.raises(UnavailableError):
             bad.ping()
         with pytest.raises(UnavailableError):
