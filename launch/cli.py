@@ -166,7 +166,8 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     click.echo("  Metrics              %s://%s:%d/metrics" % (scheme, cfg.host, cfg.http_port))
     click.echo("  Auth                 %s" % auth_line(cfg))
     click.echo("  Integrity key        %s" % key_line(stack.cfg))
-    click.echo("  Ray dashboard        %s" % urls.ray_dashboard_url)
+    token = " (token auth: sign in with the token `ray get-auth-token` prints)" if urls.ray_token_auth else ""
+    click.echo("  Ray dashboard        %s%s" % (urls.ray_dashboard_url, token))
     if urls.ray_address:
         click.echo("  Ray address          %s" % urls.ray_address)
     if urls.ray_metrics_url:

@@ -5,8 +5,10 @@ Starts (or connects to, when the config names external ones):
 * Redis for the global prefix index (``redis_url``), on a free port, never 6379;
 * ``mooncake_master`` for the checkpoint store (``mooncake_master``);
 * a local Ray head with its dashboard on ``127.0.0.1:<dashboard_port>``
-  (``ray_address``). Token auth is disabled for this local, loopback-only
-  cluster (``RAY_AUTH_MODE=disabled``) so the dashboard opens in a browser.
+  (``ray_address``), with Ray's own default: token auth (the token in
+  ``~/.ray/auth_token``; ``ray get-auth-token`` prints it), which every actor and
+  the dashboard then require. Nothing here turns it off (``RAY_AUTH_MODE`` in
+  the environment is Ray's to read).
 
 ``stop()`` ends everything it started, in reverse order; external services are
 left alone. Logs go under the work directory.
@@ -46,8 +48,19 @@ class StackUrls:
     mooncake_metrics_url: str = ""
     ray_address: str = ""
     ray_dashboard_url: str = ""
+    #: whether Ray requires its token (the dashboard too)
+    ray_token_auth: bool = False
     ray_metrics_url: str = ""
     extra: dict[str, str] = field(default_factory=dict)
+
+
+def ray_token_auth() -> bool:
+    """Whether the Ray this process joined requires its auth token (Ray's own check)."""
+    try:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+    except ImportError:  # a Ray without token auth
+        return False
+    return bool(is_token_auth_enabled())
 
 
 class LocalStack:
@@ -139,7 +152,6 @@ class LocalStack:
         self.urls.mooncake_metrics_url = "http://%s:%d/metrics" % (self.master.host, self.master.metrics_port)
 
     def _start_ray(self) -> None:
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         import ray
 
         if self.cfg.ray_address:
@@ -161,6 +173,7 @@ class LocalStack:
         self.urls.ray_dashboard_url = dash if dash.startswith("http") else ("http://" + dash if dash else "")
         if self.ray_started:
             self.urls.ray_metrics_url = "http://127.0.0.1:%d/metrics" % self.cfg.ray_metrics_port
+        self.urls.ray_token_auth = ray_token_auth()
 
     # -- serving: actors and the router ------------------------------------------------
     def start_serving(self, timeout_s: float = 600.0) -> None:
@@ -177,7 +190,6 @@ class LocalStack:
         # thread its own malloc arena; with 2 the soak's RSS growth fell by half or more
         env = {
             "GLOG_minloglevel": "2",
-            "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled"),
             "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2"),
         }
         # NOTE: max_restarts: Ray brings a crashed actor back; the router retries elsewhere meanwhile

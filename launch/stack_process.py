@@ -25,11 +25,13 @@ class StackProcess:
         start_timeout_s: float = 300.0,
         exe: Path | None = None,
         drain_grace_s: float = 5.0,
+        env: dict[str, str] | None = None,
     ) -> None:
         """``exe``: the ``hybridpd`` executable (default: the one beside this Python);
         ``drain_grace_s``: how long ``stop`` lets requests in flight finish (a flag in
-        ``extra_args`` wins)."""
+        ``extra_args`` wins); ``env``: variables added to this process's environment."""
         self.drain_grace_s = drain_grace_s
+        self.env = {**os.environ, **(env or {})}
         self.workdir = workdir
         self.exe = exe or Path(sys.executable).parent / "hybridpd"
         self._choose_ports()
@@ -97,7 +99,7 @@ class StackProcess:
         ]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"}
+                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env
             )
         deadline = time.monotonic() + self.start_timeout_s
         while "Press Ctrl-C" not in self.log.read_text(errors="replace"):

@@ -39,7 +39,8 @@ class TwoNodes:
         self.port = free_port()
         self.address = "127.0.0.1:%d" % self.port
         self.ray = str(Path(sys.executable).parent / "ray")
-        self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        # token auth, as the chart runs Ray: a node joins only with the head's token (~/.ray/auth_token)
+        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 
     def _ray(self, *args: str) -> None:
         subprocess.run([self.ray, *args], check=True, env=self.env, timeout=180, capture_output=True)
@@ -113,7 +114,7 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack,
             "--decode-resource",
             DECODE_RESOURCE,
         ]
-        s = Stack(Path(tmp_path_factory.mktemp("twonodes")), args)
+        s = Stack(Path(tmp_path_factory.mktemp("twonodes")), args, env={"RAY_AUTH_MODE": "token"})
         s.start()
         try:
             yield s, nodes

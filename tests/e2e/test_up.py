@@ -8,9 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
 import redis
 
 from hybridpd.procs import free_port, listen_ports, port_open
@@ -30,7 +32,7 @@ def test_up_starts_and_ctrl_c_stops(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        env=dict(os.environ),
     )
     lines: list[str] = []
     try:
@@ -52,7 +54,16 @@ def test_up_starts_and_ctrl_c_stops(tmp_path: Path) -> None:
         host, _, port = master.rpartition(":")
         assert port_open(host, int(port))
         assert dash == "http://127.0.0.1:%d" % dash_port
-        with urllib.request.urlopen(dash + "/api/version", timeout=10) as resp:
+        # Ray's default: token auth, which nothing of ours turns off; the banner says how to sign in
+        assert "token auth" in re.search(r"Ray dashboard.*", out).group(0)  # type: ignore[union-attr]
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(dash + "/api/version", timeout=10)
+        assert denied.value.code == 401
+        ray_cli = Path(sys.executable).parent / "ray"
+        token = subprocess.run([str(ray_cli), "get-auth-token"], capture_output=True, text=True, check=True)
+        bearer = {"Authorization": "Bearer " + token.stdout.strip()}
+        signed = urllib.request.Request(dash + "/api/version", headers=bearer)
+        with urllib.request.urlopen(signed, timeout=10) as resp:
             assert resp.status == 200
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
