@@ -883,3 +883,32 @@ def test_drain_values_render() -> None:
     assert pod["terminationGracePeriodSeconds"] == 620
     pod = _router_pod(_render({"auth": {"allowAnonymous": True}, "router": {"drain": {"preStopSleepSeconds": 0}}}))
     assert "lifecycle" not in pod["containers"][0] and pod["terminationGracePeriodSeconds"] == 135
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_ray_container_runs_with_token_auth(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    docs = rendered[name]
+    pods = _pod_templates(docs)
+    secret = _one(docs, "Secret", "-ray-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) >= 32 and token.isalnum()
+    for role in ("router", "ray-head", "ray-prefill", "ray-decode"):
+        (c,) = [c for c in pods[role]["spec"]["containers"] if c["name"] != "redis"]
+        env = _env(c)
+        assert env["RAY_AUTH_MODE"] == "token", role
+        ref = env["RAY_AUTH_TOKEN"]["secretKeyRef"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "token"}, role
+    text = yaml.safe_dump_all(docs)
+    assert "RAY_AUTH_MODE: disabled" not in text and token not in text.replace(secret["data"]["token"], "")
+
+
+def test_an_existing_ray_token_secret_is_used() -> None:
+    docs = _render({"auth": {"allowAnonymous": True}, "ray": {"auth": {"existingSecret": "my-ray", "secretKey": "t"}}})
+    assert not [d for d in _by_kind(docs, "Secret") if d["metadata"]["name"].endswith("-ray-token")]
+    for role, t in _pod_templates(docs).items():
+        if role.startswith("ray-") or role == "router":
+            assert _env(t["spec"]["containers"][0])["RAY_AUTH_TOKEN"]["secretKeyRef"] == {"name": "my-ray", "key": "t"}

@@ -241,3 +241,19 @@ spec:
       {{- include "hybridpd.selectorLabels" (dict "root" .root "component" .component) | nindent 6 }}
 {{- end }}
 {{- end -}}
+
+{{/* The Secret holding Ray's auth token. */}}
+{{- define "hybridpd.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "hybridpd.fullname" .)) .Values.ray.auth.existingSecret -}}
+{{- end -}}
+
+{{/* Ray token auth for a container that runs Ray (the head, the workers, the router joining them). */}}
+{{- define "hybridpd.rayAuthEnv" -}}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "hybridpd.rayTokenSecretName" . }}
+      key: {{ .Values.ray.auth.secretKey }}
+{{- end -}}

@@ -18,6 +18,7 @@ spec:
       image: {{ include "hybridpd.image" .root }}
       imagePullPolicy: {{ .root.Values.image.pullPolicy }}
       env:
+        {{- include "hybridpd.rayAuthEnv" .root | nindent 8 }}
         - name: RAY_USAGE_STATS_ENABLED
           value: "0"
         # Ray runs actor calls on a thread pool; fewer glibc arenas keep RSS from creeping
