@@ -28,6 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hybridpd.engine.profile import profile_of
+
 if TYPE_CHECKING:
     from hybridpd.config import HybridPDConfig
 
@@ -128,7 +130,8 @@ def model_identity(model_dir: Path, facts: Mapping[str, object]) -> str:
 
 def engine_facts(cfg: HybridPDConfig, model_dir: Path) -> dict[str, object]:
     """What of ``cfg`` shapes the state an engine exports for ``model_dir``: the engine
-    and its version (vLLM), dtype, device kind, block geometry, the snapshot's revision."""
+    and its package's version (its profile's ``package``: vLLM), dtype, device kind,
+    block geometry, the snapshot's revision."""
     facts: dict[str, object] = {
         "engine": cfg.engine,
         "dtype": cfg.engine_dtype(),
@@ -138,8 +141,9 @@ def engine_facts(cfg: HybridPDConfig, model_dir: Path) -> dict[str, object]:
         "alignment": cfg.checkpoint_alignment,
         "revision": revision(model_dir),
     }
-    if cfg.engine == "vllm":
-        facts["vllm"] = importlib.metadata.version("vllm")
+    package = profile_of(cfg).package
+    if package is not None:
+        facts[package] = importlib.metadata.version(package)
     return facts
 
 

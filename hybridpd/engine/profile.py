@@ -148,6 +148,9 @@ class EngineProfile:
     #: (``integrity.block_hash_seed``); False: its hashes must equal the engine's own
     #: (vLLM derives ``NONE_HASH`` from ``PYTHONHASHSEED``, i.e. ``hash_seed``)
     keyed_hash_seed: bool = True
+    #: the package whose version shapes the state the engine exports (part of the model
+    #: identity: ``model_identity.engine_facts``); None: hybridpd's own engine
+    package: str | None = None
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -208,6 +211,7 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
         auto_cpu_split=True,
         tokenizer_stop_ids=False,
         keyed_hash_seed=False,
+        package="vllm",
     )
 
 
