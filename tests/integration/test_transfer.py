@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from hybridpd.errors import IntegrityError
-from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffError
+from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey, TagError
+from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffError, tag_descriptor
 from tests.integration.store_worker import nixl_offer_worker, nixl_server_worker
 from tests.wait import Pending, wait_until
 
@@ -61,6 +62,19 @@ def test_corrupted_buffer_detected() -> None:
     client.close()
 
 
+def test_a_reader_with_another_key_refuses_the_offer_before_reading_it() -> None:
+    """The offer is tagged with the public key; a decode holding a deployment key
+    refuses it (TagError) without a READ: prefill never sees a release."""
+    p, q_out, q_in, desc = _start(timeout_s=60, corrupt=False)
+    client = HandoffClient("decode-test-key", key=IntegrityKey(b"a deployment key the offer lacks"))
+    with pytest.raises(TagError, match="keyed tag"):
+        client.fetch(desc)
+    assert client.remotes == {}  # the prefill agent was never loaded
+    stats = _finish(p, q_out, q_in, held=True)
+    assert stats["released"] == 0 and stats["outstanding"] == 1
+    client.close()
+
+
 def test_a_reader_skips_the_chunks_it_holds() -> None:
     """A delta handoff: the 64 MiB buffer is offered in 1 MiB chunks; the reader skips
     chunk 0 (it holds it; the corrupted byte lies there, so its checksum is never
@@ -86,10 +100,15 @@ def test_read_after_timeout_fails_cleanly() -> None:
     client = HandoffClient("decode-test-3")
     with pytest.raises(HandoffError, match="expired"):
         client.fetch(desc)
-    # even ignoring the expiry, the freed (scrubbed) buffers never pass verification
+    # a descriptor whose expiry was moved fails its tag before anything is read
     late = dataclasses.replace(desc, expires_at=time.time() + 60)
-    with pytest.raises((HandoffError, IntegrityError)):
+    with pytest.raises(TagError):
         client.fetch(late)
+    # and even re-tagged with the offer's key (the public one here), the freed (scrubbed)
+    # buffers never pass verification
+    with pytest.raises((HandoffError, IntegrityError)) as exc:
+        client.fetch(tag_descriptor(late, PUBLIC.tagger(HANDOFF)))
+    assert not isinstance(exc.value, TagError)
     stats = _finish(p, q_out, q_in)
     assert stats["outstanding"] == 0 and stats["expired"] == 1
     client.close()
