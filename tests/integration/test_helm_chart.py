@@ -912,3 +912,220 @@ def test_an_existing_ray_token_secret_is_used() -> None:
     for role, t in _pod_templates(docs).items():
         if role.startswith("ray-") or role == "router":
             assert _env(t["spec"]["containers"][0])["RAY_AUTH_TOKEN"]["secretKeyRef"] == {"name": "my-ray", "key": "t"}
+
+
+# -- NetworkPolicies, evaluated as Kubernetes does -------------------------------------------------------------------
+
+#: the namespace _render installs into
+NAMESPACE = "serving"
+#: peers outside the release: (namespace, pod labels); a client outside the cluster matches what `outside` matches
+#: (the chart names no ipBlock), `impostor` carries the router's labels in another namespace
+OUTSIDERS = {
+    "outside": ("elsewhere", {"app": "client"}),
+    "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+    "kuberay": ("kuberay-system", {"app.kubernetes.io/name": "kuberay-operator"}),
+}
+RAY_ROLES = ("ray-head", "ray-prefill", "ray-decode")
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels and matchExpressions, ANDed) over labels: {} selects everything."""
+    if not all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {
+            "In": key in labels and labels.get(key) in values,
+            "NotIn": labels.get(key) not in values if key in labels else True,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+class _Network:
+    """Ingress as Kubernetes decides it for a render: a pod selected by any NetworkPolicy whose policyTypes
+    hold Ingress (the default when policyTypes is absent) is isolated and takes a connection only if some rule of
+    some such policy admits both the peer (no `from`: anyone; podSelector alone: pods of the policy's namespace;
+    namespaceSelector: pods of the namespaces it selects, narrowed by a podSelector beside it) and the port (no
+    `ports`: all; a number, a range to endPort, or a named port of the pod's containers; protocol TCP by
+    default). Pods: the render's pod templates by role, the Ray pods with the labels KubeRay adds; peers: those
+    roles (in NAMESPACE) and OUTSIDERS."""
+
+    def __init__(self, docs: list[dict[str, Any]]) -> None:
+        self.policies = _by_kind(docs, "NetworkPolicy")
+        templates = _pod_templates(docs)
+        labels = {role: t["metadata"]["labels"] for role, t in templates.items()}
+        for rc in _by_kind(docs, "RayCluster"):
+            labels.update(_kuberay_pod_labels(rc))
+        self.labels = labels
+        self.ports = {
+            role: [p for c in _containers(t["spec"]) for p in c.get("ports", [])] for role, t in templates.items()
+        }
+        self.peers: dict[str, tuple[str, dict[str, str]]] = {r: (NAMESPACE, lab) for r, lab in labels.items()}
+        self.peers.update(OUTSIDERS)
+        self.peers["impostor"] = ("elsewhere", labels["router"])
+
+    def port(self, role: str, name: str) -> int:
+        (n,) = [p["containerPort"] for p in self.ports[role] if p.get("name") == name]
+        return int(n)
+
+    def _peer_matches(self, peer: dict[str, Any], policy_ns: str, src: str) -> bool:
+        assert "ipBlock" not in peer, peer  # the chart selects pods and namespaces only
+        ns, labels = self.peers[src]
+        if "namespaceSelector" in peer:
+            ns_ok = _selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": ns})
+        else:
+            ns_ok = ns == policy_ns
+        return ns_ok and _selects(peer.get("podSelector") or {}, labels)
+
+    def _port_matches(self, rule_port: dict[str, Any], dst: str, port: int, protocol: str) -> bool:
+        if rule_port.get("protocol", "TCP") != protocol:
+            return False
+        want = rule_port.get("port")
+        if want is None:
+            return True
+        if isinstance(want, str):  # a named port of the destination's containers
+            return any(p.get("name") == want and p["containerPort"] == port for p in self.ports[dst])
+        return int(want) <= port <= int(rule_port.get("endPort", want))
+
+    def reaches(self, src: str, dst: str, port: int, protocol: str = "TCP") -> bool:
+        """May peer src open a connection to the pods of role dst on port?"""
+        isolating = []
+        for pol in self.policies:
+            spec, ns = pol["spec"], pol["metadata"].get("namespace", NAMESPACE)
+            if ns == NAMESPACE and "Ingress" in spec.get("policyTypes", ["Ingress"]):
+                if _selects(spec["podSelector"], self.labels[dst]):
+                    isolating.append((ns, spec))
+        if not isolating:
+            return True
+        for ns, spec in isolating:
+            for rule in spec.get("ingress") or []:
+                peers, ports = rule.get("from") or [], rule.get("ports") or []
+                if peers and not any(self._peer_matches(p, ns, src) for p in peers):
+                    continue
+                if ports and not any(self._port_matches(p, dst, port, protocol) for p in ports):
+                    continue
+                return True
+        return False
+
+
+def _policy(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name}, "spec": spec}
+
+
+def test_the_network_evaluator_follows_kubernetes_semantics(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    bare = [d for d in rendered["default"] if d["kind"] != "NetworkPolicy"]
+    release = {"app.kubernetes.io/instance": "hpd", "app.kubernetes.io/part-of": "hybridpd"}
+    redis = {"matchLabels": {"app.kubernetes.io/component": "redis"}}
+    # no policy: nothing is isolated
+    net = _Network(bare)
+    assert net.reaches("outside", "redis", 6379) and net.reaches("mooncake", "redis", 1)
+    # the release-wide policy this chart had: every release pod reaches every other, on every port
+    old = _policy(
+        "internal",
+        {"podSelector": {"matchLabels": release}, "ingress": [{"from": [{"podSelector": {"matchLabels": release}}]}]},
+    )
+    net = _Network([*bare, old])
+    assert net.reaches("mooncake", "redis", 6379) and net.reaches("ray-head", "router", 45678)
+    assert not net.reaches("outside", "redis", 6379) and not net.reaches("impostor", "redis", 6379)
+    # an Egress-only policy isolates no ingress; an empty ingress list refuses everyone
+    net = _Network([*bare, _policy("e", {"podSelector": redis, "policyTypes": ["Egress"]})])
+    assert net.reaches("outside", "redis", 6379)
+    net = _Network([*bare, _policy("deny", {"podSelector": redis, "policyTypes": ["Ingress"]})])
+    assert not net.reaches("router", "redis", 6379)
+    # policies add up: one more policy admits the router on a named port (and only that port)
+    named = _policy(
+        "named",
+        {
+            "podSelector": redis,
+            "ingress": [
+                {
+                    "from": [
+                        {
+                            "podSelector": {
+                                "matchExpressions": [
+                                    {"key": "app.kubernetes.io/component", "operator": "In", "values": ["router"]}
+                                ]
+                            }
+                        }
+                    ],
+                    "ports": [{"port": "redis"}],
+                }
+            ],
+        },
+    )
+    net = _Network([*bare, _policy("deny", {"podSelector": redis, "policyTypes": ["Ingress"]}), named])
+    assert net.reaches("router", "redis", 6379) and not net.reaches("router", "redis", 6380)
+    assert not net.reaches("ray-decode", "redis", 6379) and not net.reaches("router", "redis", 6379, "UDP")
+    # a namespaceSelector admits the pods of the namespaces it selects, a podSelector beside it narrows them
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+
+    def scraped_by(pods: dict[str, Any]) -> _Network:
+        peer = {"namespaceSelector": monitoring, "podSelector": pods}
+        rule = {"from": [peer], "ports": [{"port": 9000, "endPort": 9010}]}
+        return _Network([*bare, _policy("ns", {"podSelector": redis, "ingress": [rule]})])
+
+    assert not scraped_by({"matchLabels": {"app": "x"}}).reaches("prometheus", "redis", 9005)
+    net = scraped_by({"matchExpressions": [{"key": "app.kubernetes.io/name", "operator": "Exists"}]})
+    assert net.reaches("prometheus", "redis", 9005) and not net.reaches("prometheus", "redis", 9011)
+    assert not net.reaches("router", "redis", 9005)  # a release pod is not in the monitoring namespace
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_network_policies_open_each_port_only_to_its_users(
+    name: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = rendered[name]
+    net = _Network(docs)
+    if not _values(name).get("networkPolicy", {}).get("enabled", True):
+        assert not net.policies and net.reaches("outside", "ray-head", 6379)  # nothing isolated
+        return
+    roles = set(net.labels)
+    high = 45678  # a dynamic port: Ray's workers and object manager, the token sink, NIXL/UCX
+    http, grpc = net.port("router", "http"), net.port("router", "grpc")
+    ray_metrics = net.port("ray-head", "metrics")
+    # Ray pods and the router reach the Ray pods on every port; nothing else does
+    for dst in RAY_ROLES:
+        for port in (net.port("ray-head", "gcs-server"), net.port("ray-head", "client"), ray_metrics, high):
+            for src in (*RAY_ROLES, "router"):
+                assert net.reaches(src, dst, port), (src, dst, port)
+            for src in (roles - {*RAY_ROLES, "router"}) | {"outside", "impostor"}:
+                assert not net.reaches(src, dst, port), (src, dst, port)
+        assert net.reaches("prometheus", dst, ray_metrics) and not net.reaches("prometheus", dst, high)
+    # the KubeRay operator reaches the head's dashboard and GCS, no worker
+    for port in (net.port("ray-head", "dashboard"), net.port("ray-head", "gcs-server")):
+        assert net.reaches("kuberay", "ray-head", port)
+        assert not net.reaches("kuberay", "ray-prefill", port) and not net.reaches("kuberay", "ray-decode", port)
+    # the router: HTTP and gRPC from anywhere; the token sink and Ray's ports from the Ray pods only
+    for src in ("outside", "impostor", "prometheus", *roles):
+        assert net.reaches(src, "router", http) and net.reaches(src, "router", grpc), src
+    for src in RAY_ROLES:
+        assert net.reaches(src, "router", high), src
+    for src in (roles - {*RAY_ROLES, "router"}) | {"outside", "impostor", "prometheus", "kuberay"}:
+        assert not net.reaches(src, "router", high), src
+    if "redis" in roles:  # the bundled Redis: its port, for the router and the actors only
+        port = net.port("redis", "redis")
+        for src in ("router", "ray-prefill", "ray-decode"):
+            assert net.reaches(src, "redis", port) and not net.reaches(src, "redis", high), src
+        for src in ("ray-head", "mooncake", "outside", "impostor", "prometheus", "kuberay"):
+            if src in net.peers:
+                assert not net.reaches(src, "redis", port), src
+    if "mooncake" in roles:  # the Mooncake master: RPC and metadata for the router and the actors, metrics scraped
+        rpc, meta, metrics = (net.port("mooncake", n) for n in ("rpc", "metadata", "metrics"))
+        for src in ("router", "ray-prefill", "ray-decode"):
+            assert net.reaches(src, "mooncake", rpc) and net.reaches(src, "mooncake", meta), src
+            assert not net.reaches(src, "mooncake", high), src
+        for src in ("ray-head", "redis", "outside", "impostor", "prometheus", "kuberay"):
+            if src in net.peers:
+                assert not net.reaches(src, "mooncake", rpc) and not net.reaches(src, "mooncake", meta), src
+        assert net.reaches("prometheus", "mooncake", metrics) and not net.reaches("outside", "mooncake", metrics)
+    # from outside the release only the router's HTTP and gRPC ports answer, on any pod's any port
+    every_port = {int(p["containerPort"]) for ports in net.ports.values() for p in ports} | {22, high}
+    for dst in roles:
+        for port in every_port:
+            want = dst == "router" and port in (http, grpc)
+            assert net.reaches("outside", dst, port) == want, (dst, port)
+            assert net.reaches("impostor", dst, port) == want, (dst, port)
