@@ -306,8 +306,15 @@ def _latency_row(a: str, b: str, values: tuple[float, ...]) -> None:
 @click.option(
     "--model", default="tiny", show_default=True, help="Bundled native model (tiny, tiny-random) or a directory."
 )
+@click.option(
+    "--integrity/--no-integrity",
+    default=True,
+    show_default=True,
+    help="Also time keyed integrity's work (per handoff, token frame, store checkpoint) on this workload, with"
+    " and without the key, against the stack's TTFT (target: at most 5% per handoff).",
+)
 def bench_overhead(
-    json_path: str, quick: bool, repeats: int, prompt_tokens: int, output_tokens: int, model: str
+    json_path: str, quick: bool, repeats: int, prompt_tokens: int, output_tokens: int, model: str, integrity: bool
 ) -> None:
     """TTFT, ITL and TPOT of the engine in-process vs through the stack (1 prefill + 1 decode), same run.
 
@@ -320,7 +327,7 @@ def bench_overhead(
 
     from bench import overhead
 
-    out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens, model, repeats)
+    out = overhead.run(Path(json_path), quick, prompt_tokens, output_tokens, model, repeats, integrity)
     click.echo(overhead.markdown(out))
     click.echo("wrote %s (+ .png, .md)" % json_path)
 

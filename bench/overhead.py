@@ -1,7 +1,7 @@
 # Over 350 lines: engine and stack runs of one workload, interleaved, with their timing.
 """What the serving path costs on top of the engine: ``hybridpd bench overhead``.
 
-    hybridpd bench overhead [--quick] [--repeats 3] [--json bench/results/overhead.json]
+    hybridpd bench overhead [--quick] [--repeats 3] [--no-integrity] [--json bench/results/overhead.json]
 
 In one run, the same native engine and the same requests (distinct random
 token prompts, so no cache hits; greedy; ``ignore_eos``):
@@ -34,6 +34,9 @@ spike from another process hits both. The stack and the engine start once
 and are warmed up; each of ``--repeats`` repeats is the whole schedule on
 prompts no earlier repeat sent, with its own provenance (bench/repeats.py:
 every repeat kept; the top-level fields are medians with ``min`` / ``max``).
+With ``--integrity`` (default) the keyed work per handoff, token frame and store
+checkpoint is timed on the same workload, with and without the key, and set
+against the stack's TTFT (``integrity``: bench/integrity_cost.py).
 
 Budgets (``checks``, judged on the median over repeats of each repeat's
 value, with how many repeats met it; a miss is a false ``met``): issue #18's
@@ -60,6 +63,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from bench import integrity_cost
 from bench import repeats as repeats_mod
 from bench.report import spread, write_report
 from bench.router import budget_check, checks_markdown, legacy_note, repeats_phrase
@@ -231,9 +235,11 @@ def run(
     output_tokens: int = 32,
     model: str = "tiny",
     repeats: int = 3,
+    integrity: bool = True,
 ) -> dict[str, Any]:
     """Start the stack and the engine once, warm both up, measure ``repeats`` times
-    (each the whole schedule on fresh prompts), write JSON + PNG + markdown."""
+    (each the whole schedule on fresh prompts), write JSON + PNG + markdown; with
+    ``integrity`` also what keyed integrity costs (``bench/integrity_cost.py``)."""
     batches = 4 if quick else 12  # batches per concurrency level and side, per repeat
     max_len = prompt_tokens + output_tokens + 64
     engine = EngineSide(max_len, model)
@@ -268,6 +274,9 @@ def run(
         **measured,
         "checks": {k: budget_check([v[k] for v in values], b) for k, b in BUDGETS.items()},
     }
+    if integrity:  # after the stack stopped: its NIXL agent must not share the machine's time with it
+        cost = integrity_cost.measure(engine.engine, prompt_tokens)
+        out["integrity"] = integrity_cost.shares(cost, measured["repeats"])
     e1, s1 = out["results"]["engine"]["concurrency_1"], out["results"]["stack"]["concurrency_1"]
     bars = {
         "engine TTFT": e1["ttft_ms"]["p50"],
@@ -356,5 +365,5 @@ def markdown(out: dict[str, Any]) -> str:
                     f("output_tokens_per_s", spec="%.1f"),
                 )
             )
-    rows += ["", *checks_markdown(out["checks"], CHECK_NAMES, "%.2f")]
+    rows += ["", *checks_markdown(out["checks"], CHECK_NAMES, "%.2f"), *integrity_cost.markdown(out)]
     return "\n".join(rows) + "\n"

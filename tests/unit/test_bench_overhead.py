@@ -95,3 +95,31 @@ def test_cli_help_names_repeats_and_the_rule() -> None:
 
 def test_a_result_from_before_repeats_renders_a_rerun_note() -> None:
     assert "predates repeats" in overhead.markdown({"workload": {}, "results": {}, "checks": {}})
+
+
+def test_integrity_cost_times_the_keyed_work_and_sets_it_against_ttft() -> None:
+    """``--integrity``: the keyed work on a real handoff of a short prompt (a few
+    repetitions: the path, not a measurement), the share of each repeat's TTFT, and the
+    line the table gets; a result without it renders as before."""
+    from bench import integrity_cost
+    from tests.unit.engine_helpers import make_engine
+
+    engine = make_engine(role="prefill", instance="bench-integrity")
+    try:
+        cost = integrity_cost.measure(engine, 64, reps=5)
+        assert not engine.has_work() and engine.handoff_stats().outstanding == 0  # the offer was withdrawn
+    finally:
+        engine.close()
+    assert cost["handoff_bytes"] > 0
+    assert cost["per_handoff_us"] == cost["handoff_tag_us"] + cost["handoff_check_us"] > 0
+    assert cost["frame_keyed_us"] > 0 and cost["store_tag_us_per_checkpoint"] > 0
+    fixed = {**cost, "per_handoff_us": 200.0}
+    reps = [_repeat(ttft, 7.0) for ttft in (2.0, 8.0, 4.0)]  # ms: shares 0.1, 0.025, 0.05
+    got = integrity_cost.shares(fixed, reps)
+    assert got["share_of_ttft_c1"] == pytest.approx(0.05) and got["met"] and got["target"] == 0.05
+    out = {"workload": {}, "results": {}, "checks": {}, "integrity": got}
+    (line,) = [ln for ln in integrity_cost.markdown(out) if ln]
+    assert "per handoff 200.0 us" in line and "0.0500 of the stack's TTFT p50" in line and "met" in line
+    assert integrity_cost.markdown({"workload": {}}) == []
+    help_text = CliRunner().invoke(cli, ["bench", "overhead", "--help"]).output
+    assert "--no-integrity" in help_text
