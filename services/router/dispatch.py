@@ -42,6 +42,7 @@ from hybridpd.engine.profile import EngineProfile, profile_of
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, describe
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.integrity import block_hash_seed
 from hybridpd.placement import place, worth_a_step
 from hybridpd.transfer.nixl_handoff import HandoffError
 from services.router.admission import Deadline
@@ -127,7 +128,8 @@ class Dispatcher:
         self.prefill_actors = prefill
         self.decode_actors = decode
         self.metrics = metrics
-        self.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
+        # NOTE: the engines' seed: derived from the deployment key on our own hashing (integrity.py)
+        self.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=block_hash_seed(cfg))
         #: per instance, the work (routing.dispatch_work) of our prefills in flight there
         self.queued: dict[str, float] = dict.fromkeys(prefill, 0.0)
         #: checkpoints our finished prefills left, until the index reports them (a hint)

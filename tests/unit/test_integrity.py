@@ -235,6 +235,23 @@ def test_the_hash_seed_derives_from_the_key_on_our_own_hashing_only(tmp_path: Pa
         eng.close()
 
 
+def test_the_router_and_the_engines_hash_with_the_same_derived_seed(tmp_path: Path) -> None:
+    """The router's lookups find what the engines publish only if both chains agree."""
+    from services.router.dispatch import Dispatcher
+    from services.router.metrics import RouterMetrics
+
+    path = str(_key_file(tmp_path))
+    cfg = load_config(env={}, overrides={"integrity_key_file": path})
+    router = Dispatcher(cfg, None, {}, {}, RouterMetrics()).hasher
+    eng = make_engine(integrity_key_file=path)
+    try:
+        tokens = list(prompt(64, 2))
+        assert router.seed == eng.hasher.seed == block_hash_seed(cfg) != cfg.hash_seed
+        assert router.chain(tokens, cache_salt="t") == eng.hasher.chain(tokens, cache_salt="t")
+    finally:
+        eng.close()
+
+
 # -- the local stack's key and what the CLI shows ---------------------------------------------
 def test_a_local_stack_writes_its_own_key_and_shared_actors_keep_the_public_one(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
