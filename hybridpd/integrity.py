@@ -2,7 +2,7 @@
 
 What hybridpd writes for itself and reads back from a place others can reach
 carries a tag made with the deployment's key: store objects
-(``store/objects.py``: header and payload), NIXL handoff descriptors
+(``store/objects.py``: name, header and payload), NIXL handoff descriptors
 (``transfer/nixl_handoff.py``: where to read, shapes, checksums and the
 ticket's metadata) and decode's token frames to the router
 (``services/worker/token_channel.py``: request id, sequence number, tokens).
@@ -12,7 +12,8 @@ or the sink but does not hold the key. Tags are compared in constant time.
 The key: the bytes of ``integrity_key_file`` (surrounding whitespace stripped,
 at least :data:`MIN_KEY_BYTES`), read once when a component starts. Without
 one, :data:`PUBLIC_KEY` keeps the same code paths but stops accidents only.
-``hybridpd up`` writes a random key for a local stack (:func:`write_key_file`).
+``hybridpd up`` writes a random key for a local stack (:func:`stack_key`). With
+a key, the native engine's block-hash seed derives from it (:func:`block_hash_seed`).
 The key is never logged: :class:`IntegrityKey` and :class:`Tagger` hide their
 bytes from ``repr``.
 
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from hybridpd.errors import ConfigError, IntegrityError
 
-if TYPE_CHECKING:  # NOTE: config.py imports this module's neighbours; only types here
+if TYPE_CHECKING:  # only the type: callers pass their config in
     from hybridpd.config import HybridPDConfig
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,8 @@ def read_key(path: str | Path) -> IntegrityKey:
     try:
         secret = Path(path).read_bytes().strip()
     except OSError as exc:
-        raise ConfigError("integrity_key_file", "cannot read %s: %s" % (path, exc.strerror or exc)) from None
+        hint = " (every machine of a Ray cluster needs the same file)" if isinstance(exc, FileNotFoundError) else ""
+        raise ConfigError("integrity_key_file", "cannot read %s: %s%s" % (path, exc.strerror or exc, hint)) from None
     if len(secret) < MIN_KEY_BYTES:
         raise ConfigError(
             "integrity_key_file",
