@@ -141,7 +141,13 @@ class LocalStack:
         if self.cfg.mooncake_master:
             host, _, port = self.cfg.mooncake_master.rpartition(":")
             if not port_open(host, int(port), timeout=2.0):
-                raise UnavailableError("mooncake master %s is not reachable" % self.cfg.mooncake_master)
+                # NOTE: an outage must not crash-loop the router: the prefill actors connect to the
+                # store lazily (CheckpointStore(lazy=True)); until then every store hit is a miss
+                logger.warning(
+                    "the Mooncake master %s is not reachable: serving without the checkpoint store"
+                    " (prompts are recomputed) until it is",
+                    self.cfg.mooncake_master,
+                )
             self.urls.mooncake_master = self.cfg.mooncake_master
             self.urls.mooncake_metadata_url = self.cfg.metadata_url() or ""
             return

@@ -16,11 +16,15 @@ under that name), ``UnavailableError`` (the store failed).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -28,6 +32,7 @@ from hybridpd.engine.base import BufferMeta, KVExport, StateCheckpoint
 from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError
 from hybridpd.hashing import BlockHash
 from hybridpd.integrity import PUBLIC, STORE_OBJECT, IntegrityKey, TagError
+from hybridpd.procs import port_open
 from hybridpd.store import objects
 
 logger = logging.getLogger(__name__)
@@ -75,18 +80,67 @@ class CheckpointStore:
         buffer_bytes: int = 128 << 20,
         local_host: str = "127.0.0.1",
         key: IntegrityKey = PUBLIC,
+        lazy: bool = False,
     ) -> None:
-        """``key``: the deployment key every object is tagged and checked with."""
+        """``key``: the deployment key every object is tagged and checked with. ``lazy``: a
+        master that cannot be reached now is no error: until it can, every use raises
+        UnavailableError (a miss) and connecting is tried again at most every
+        ``RECONNECT_S``, so a worker starts while the store is down and uses it once it
+        is back."""
         if local_host in ("127.0.0.1", "localhost"):
             _loopback_env()
-        from mooncake.store import MooncakeDistributedStore
-
         self.model_id = model_id
         self._tagger = key.tagger(STORE_OBJECT)
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup(local_host, metadata_url, segment_bytes, buffer_bytes, "tcp", "", master)
+        self._setup_args = (local_host, metadata_url, segment_bytes, buffer_bytes, "tcp", "", master)
+        self._master = master
+        self._client: Any = None
+        self._next_try = 0.0
+        self._connecting = threading.Lock()
+        try:
+            self._connect()
+        except UnavailableError as exc:
+            if not lazy:
+                raise
+            logger.warning("%s: serving without the store until it is back", exc)
+            self._next_try = time.monotonic() + self.RECONNECT_S
+
+    #: how often a lazy store tries its master again while it cannot reach it
+    RECONNECT_S = 10.0
+
+    def _connect(self) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        # NOTE: Mooncake's setup retries an unreachable master or metadata server for about a minute
+        # and a half: look first, so an outage is a quick miss
+        meta = urllib.parse.urlsplit(self._setup_args[1])
+        host, _, port = self._master.rpartition(":")
+        meta_port = meta.port or (443 if meta.scheme == "https" else 80)
+        for h, p in ((host, port), (meta.hostname, meta_port)):
+            if not h or not p or not port_open(h, int(p), timeout=1.0):
+                raise UnavailableError("MooncakeStore: %s:%s (master %s) is not reachable" % (h, p, self._master))
+        client = MooncakeDistributedStore()
+        rc = client.setup(*self._setup_args)
         if rc != 0:
-            raise UnavailableError("MooncakeStore setup against %s failed (rc %d)" % (master, rc))
+            with contextlib.suppress(Exception):  # a half-set-up client
+                client.close()
+            raise UnavailableError("MooncakeStore setup against %s failed (rc %d)" % (self._master, rc))
+        self._client = client
+        logger.info("connected to the Mooncake master %s", self._master)
+
+    @property
+    def store(self) -> Any:
+        """The Mooncake client, connected on first use (``lazy``)."""
+        if self._client is None:
+            with self._connecting:
+                if self._client is None:
+                    if time.monotonic() < self._next_try:
+                        raise UnavailableError("the Mooncake master %s is not reachable (retrying)" % self._master)
+                    try:
+                        self._connect()
+                    except UnavailableError:
+                        self._next_try = time.monotonic() + self.RECONNECT_S
+                        raise
+        return self._client
 
     def key(self, kind: str, h: BlockHash) -> str:
         return "hpd/%s/%s/%s" % (self.model_id, kind, h.hex())
@@ -192,7 +246,9 @@ class CheckpointStore:
         )
 
     def close(self) -> None:
+        if self._client is None:
+            return
         try:
-            self.store.close()
+            self._client.close()
         except Exception:  # closing a half-set-up client must not mask the real error
             logger.debug("store close failed", exc_info=True)

@@ -26,10 +26,18 @@ def mooncake_master_binary() -> str:
 
 
 class MooncakeMaster(ManagedProcess):
-    def __init__(self, workdir: Path, host: str = "127.0.0.1", lease_ttl_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        host: str = "127.0.0.1",
+        lease_ttl_ms: int = 1000,
+        rpc_port: int | None = None,
+        metadata_port: int | None = None,
+    ) -> None:
+        """``rpc_port`` / ``metadata_port``: fixed ports (default: free ones)."""
         self.host = host
-        self.rpc_port = free_port(host)
-        self.metadata_port = free_port(host)
+        self.rpc_port = rpc_port or free_port(host)
+        self.metadata_port = metadata_port or free_port(host)
         self.metrics_port = free_port(host)
         argv = [
             mooncake_master_binary(),

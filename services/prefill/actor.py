@@ -107,7 +107,9 @@ class PrefillWorker(WorkerBase):
         )
         self.index = PrefixIndex(redis_url, self.engine.model_id, cluster=cfg.redis_cluster) if redis_url else None
         self.store = (
-            CheckpointStore(*store_addr, self.engine.model_id, local_host=_store_host(cfg), key=load_key(cfg))
+            CheckpointStore(
+                *store_addr, self.engine.model_id, local_host=_store_host(cfg), key=load_key(cfg), lazy=True
+            )
             if store_addr is not None and self.engine.imports_checkpoints  # vLLM: its connector
             else None
         )
