@@ -8,6 +8,7 @@ and ``--help`` always lists exactly the fields that exist.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -210,6 +211,27 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     finally:
         click.echo("stopping...")
         stack.stop()
+
+
+@cli.command("drain-actors")
+@click.option("--grace-s", type=float, default=120.0, show_default=True, help="Wait at most this long.")
+@click.option("--address", default="auto", show_default=True, help="The Ray cluster (auto: this node's).")
+@click.option("--all-nodes", is_flag=True, help="Drain the actors of every node, not only this one's.")
+def drain_actors(grace_s: float, address: str, all_nodes: bool) -> None:
+    """Drain this Ray node's prefill and decode actors (a pod's preStop hook).
+
+    Each takes no new request from now on (the routers send them elsewhere) and
+    this waits until none runs a request, at most --grace-s. Exit status 0 when
+    drained, 1 when requests were still running at the end.
+    """
+    import ray
+
+    from launch.drain import drain, node_actors
+
+    ray.init(address=address, logging_level=logging.WARNING)
+    left = drain(node_actors(all_nodes), grace_s)
+    click.echo("drained" if not left else "grace over with %d requests in flight" % left)
+    sys.exit(1 if left else 0)
 
 
 def _add_plugin_commands() -> None:

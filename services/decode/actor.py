@@ -103,6 +103,7 @@ class DecodeWorker(WorkerBase):
         """Continue ``request`` from its prefill; yields chunks until finished, or with
         ``sink`` (a router's ``TokenSink`` address) sends them there and yields nothing
         (``token_channel.py``): this call then only ends, or raises, with the request."""
+        self.refuse_if_draining()
         with self.engine_errors():
             out = None if sink is None else self.sender.stream(sink, request.request_id)
             for chunk in self._generate(prefill, request):

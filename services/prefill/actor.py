@@ -148,6 +148,7 @@ class PrefillWorker(WorkerBase):
 
     # -- requests ----------------------------------------------------------------------
     def prefill(self, cmd: PrefillCommand) -> PrefillResult:
+        self.refuse_if_draining()
         t0 = time.perf_counter()
         try:
             with self.engine_errors():

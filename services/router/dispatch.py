@@ -13,7 +13,8 @@
              a handoff that fails before any chunk: prefill once more (elsewhere
              when possible) and go on only if it produced the same tokens
     live     a ping to every instance: the kinds none of whose instances
-             answers (the router's readiness)
+             serves (the router's readiness); the instances that drain, which
+             routing leaves out while another serves
 
 Engine-agnostic: a :class:`PrefillResult` carries the tokens sampled at prefill
 (possibly none) and an opaque ticket only the decode engine reads. Every actor
@@ -147,6 +148,8 @@ class Dispatcher:
         #: per decode instance, our decode streams running there (decode affinity's load)
         self.decoding: dict[str, int] = {}
         self._rr_prefill = itertools.count()
+        #: instances the last pings found draining (``WorkerBase.drain``)
+        self.draining: set[str] = set()
         #: the last pings' answer (monotonic time, the kinds with no live instance), the pings under way
         self._live: tuple[float, list[str]] | None = None
         self._live_check: asyncio.Future[list[str]] | None = None
@@ -164,26 +167,28 @@ class Dispatcher:
         return self._live[1]
 
     async def _ping_all(self, timeout_s: float) -> list[str]:
-        async def live(client: WorkerClient) -> bool:
+        async def live(client: WorkerClient) -> bool | None:
             try:
-                await asyncio.wait_for(client.ping(), timeout_s)
-                return True
+                return await asyncio.wait_for(client.serving(), timeout_s)
             except Exception:  # dead (Ray's error), restarting or hung (the timeout): not live
-                return False
+                return None
 
         kinds = (("prefill", list(self.prefill_actors.values())), ("decode", list(self.decode_actors.values())))
-        got = await asyncio.gather(*(live(c) for _, clients in kinds for c in clients))
-        out, i = [], 0
-        for kind, clients in kinds:
-            if not any(got[i : i + len(clients)]):
-                out.append(kind)
-            i += len(clients)
-        return out
+        clients = [c for _, cs in kinds for c in cs]
+        got = dict(zip((c.name for c in clients), await asyncio.gather(*(live(c) for c in clients)), strict=True))
+        #: instances that answered but drain: routing leaves them out while another serves
+        self.draining = {name for name, ok in got.items() if ok is False}
+        return [kind for kind, cs in kinds if not any(got[c.name] for c in cs)]
+
+    def _routable(self, names: list[str]) -> list[str]:
+        """``names`` without the instances the last pings found draining (all of them
+        when every one drains: a draining instance refuses, which is an honest 503)."""
+        return [n for n in names if n not in self.draining] or names
 
     # -- route --------------------------------------------------------------------------
     async def route(self, req: EngineRequest, force: str | None = None) -> Route:
         """The prefill instance for ``req`` (``force``: that one, NotFoundError if unknown)."""
-        names = sorted(self.prefill_actors)
+        names = self._routable(sorted(self.prefill_actors))
         if force is not None and force not in self.prefill_actors:
             raise NotFoundError("no prefill instance %r" % force[:100])  # the instance names are not a client's
         if self.cfg.routing == "round_robin" and force is None:
@@ -426,7 +431,7 @@ class Dispatcher:
         one, the index says which holds the prompt's leading blocks (one round trip;
         an index failure degrades to round robin). ``avoid``: the one whose handoff
         just failed (unless it is the only one)."""
-        names = [n for n in sorted(self.decode_actors) if n != avoid] or sorted(self.decode_actors)
+        names = [n for n in self._routable(sorted(self.decode_actors)) if n != avoid] or sorted(self.decode_actors)
         held: dict[str, int] = {}
         if len(names) > 1 and self.index is not None and self.cfg.enable_prefix_caching:
             hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)

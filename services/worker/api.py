@@ -56,10 +56,10 @@ class WorkerClient:
         """Free ``request_id`` on this worker if it holds it (fire and forget)."""
         self.handle.abort.remote(request_id)
 
-    async def ping(self) -> None:
-        """Returns once the worker answers (``WorkerBase.ready``: no engine lock taken);
-        raises what Ray raises for a dead one."""
-        await self.handle.ready.remote()
+    async def serving(self) -> bool:
+        """Whether the worker takes new work (``WorkerBase.serving``: no engine lock taken;
+        False while it drains); raises what Ray raises for a dead one."""
+        return bool(await self.handle.serving.remote())
 
     async def stats(self) -> dict[str, object]:
         """Identity, pools and counters (``WorkerBase._base_stats`` and the worker's own)."""

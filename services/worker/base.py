@@ -13,7 +13,7 @@ from dataclasses import asdict
 import hybridpd
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine
-from hybridpd.errors import EngineError, HybridPDError, StartupError
+from hybridpd.errors import EngineError, HybridPDError, StartupError, UnavailableError
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import ActorMetrics, DecodeCounters, PrefillCounters
 
@@ -27,6 +27,8 @@ class WorkerBase:
     loop: EngineLoop
     stats_lock: threading.Lock
     counters: PrefillCounters | DecodeCounters
+    #: set for good by ``drain``: new work is refused, the router sends it elsewhere
+    draining: bool = False
 
     def _base_stats(self) -> dict[str, object]:
         """Identity, pool accounting and counters: the part of ``stats()`` every worker has."""
@@ -68,6 +70,29 @@ class WorkerBase:
     def ready(self) -> str:
         """Returns once the actor is constructed (engine loaded)."""
         return self.name
+
+    def serving(self) -> bool:
+        """Whether this worker takes new work (it answers: it is live; and it does not
+        drain): the router's ping (``Dispatcher.unserved``)."""
+        return not self.draining
+
+    def drain(self) -> int:
+        """Take no new work from now on (it is refused with UnavailableError, which the
+        router retries elsewhere; its pings see this worker as not serving) and say how
+        many requests it still runs (``running``): ``hybridpd drain-actors`` waits for 0."""
+        if not self.draining:
+            logger.warning("%s: draining, %d requests in flight", self.name, self.loop.in_flight())
+        self.draining = True
+        return self.running()
+
+    def running(self) -> int:
+        """Requests this worker runs now (prepared, submitted, not finished)."""
+        return self.loop.in_flight()
+
+    def refuse_if_draining(self) -> None:
+        """UnavailableError for new work while draining (``drain``)."""
+        if self.draining:
+            raise UnavailableError("%s is draining: it takes no new request" % self.name)
 
     def model_id(self) -> str:
         return self.engine.model_id

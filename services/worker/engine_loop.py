@@ -66,6 +66,11 @@ class EngineLoop:
             with self.lock:
                 self._reserved.pop(request_id, None)
 
+    def in_flight(self) -> int:
+        """Requests here now: submitted and not finished, or being prepared (``reserved``)."""
+        with self.lock:
+            return len(self.queues) + len(self._reserved)
+
     def aborted(self, request_id: str) -> bool:
         """Whether reserved ``request_id`` was aborted already (before it got here, or
         since): its worker should take nothing more for it (its ``submit`` ends it)."""

@@ -103,3 +103,44 @@ def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
         assert "drain ended with 1 requests in flight" in stack.log.read_text(errors="replace")
     finally:
         stack.stop()
+
+
+def test_drain_actors_waits_for_their_requests_and_routing_leaves_them(tmp_path: Path) -> None:
+    """`hybridpd drain-actors` (the chart's preStop hook of the Ray worker pods): every
+    actor of the node refuses new work and the command waits until none runs a request."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    stack = Stack(tmp_path, ["--num-prefill", "1"])
+    stack.start()
+    try:
+        holder = Reader(stack, 14000)
+        assert holder.started.wait(120)
+        exe = Path(sys.executable).parent / "hybridpd"
+        argv = [str(exe), "drain-actors", "--address", stack.banner("Ray address"), "--grace-s", "300"]
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}  # a driver joins a token-auth cluster so
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        assert proc.stdout is not None
+        lines: list[str] = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("draining ") and "requests in flight" in line:
+                break
+        assert any("1 requests in flight" in x for x in lines), lines  # the holder's decode
+        time.sleep(1.0)
+        assert proc.poll() is None, "drain-actors ended while a request ran"
+
+        def refused() -> bool | Pending:
+            r = httpx.post(stack.http + "/v1/completions", json={**holder.body, "stream": False}, timeout=60)
+            return True if r.status_code == 503 else Pending(r.status_code)
+
+        wait_until(refused, 30, 0.2, "a new request refused by draining actors")
+        ready = httpx.get(stack.http + "/ready", timeout=10)
+        assert ready.status_code == 503 and "no live prefill or decode instance" in ready.text
+        holder.stop.set()  # the client goes away: its request ends
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0 and "drained" in out, "".join(lines) + out
+    finally:
+        stack.stop()

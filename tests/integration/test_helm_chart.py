@@ -1129,3 +1129,15 @@ def test_network_policies_open_each_port_only_to_its_users(
             want = dst == "router" and port in (http, grpc)
             assert net.reaches("outside", dst, port) == want, (dst, port)
             assert net.reaches("impostor", dst, port) == want, (dst, port)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_worker_pods_drain_their_actors_before_they_stop(name: str, rendered: dict[str, list[dict[str, Any]]]) -> None:
+    grace = _values(name).get("ray", {}).get("drain", {}).get("graceSeconds", 120)
+    pods = _pod_templates(rendered[name])
+    for role in ("ray-prefill", "ray-decode"):
+        spec = pods[role]["spec"]
+        pre = spec["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert pre == ["hybridpd", "drain-actors", "--grace-s", str(grace)], role
+        assert spec["terminationGracePeriodSeconds"] == grace + 30, role
+    assert "lifecycle" not in pods["ray-head"]["spec"]["containers"][0]  # the head hosts no actors

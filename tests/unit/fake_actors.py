@@ -105,6 +105,8 @@ class FakePrefill:
         #: a dead actor: its pings raise, as Ray's calls to one do
         self.down = False
         self.ready = Method(lambda: _alive(self.down, self.name))
+        self.draining = False
+        self.serving = Method(lambda: bool(_alive(self.down, self.name)) and not self.draining)
 
     async def _prefill(self, cmd: PrefillCommand) -> PrefillResult:
         if self.gate is not None:
@@ -140,6 +142,8 @@ class FakeDecode:
         self.abort = Method(lambda rid: False)
         self.down = False
         self.ready = Method(lambda: _alive(self.down, "decode"))
+        self.draining = False
+        self.serving = Method(lambda: bool(_alive(self.down, "decode")) and not self.draining)
 
     async def _stream(self, pr: PrefillResult, req: EngineRequest) -> AsyncIterator[asyncio.Future]:
         if self.fail_first is not None:

@@ -185,7 +185,7 @@ def test_a_hung_instance_is_not_live() -> None:
     async def never() -> None:
         await asyncio.sleep(60)
 
-    d.ready.fn = never  # type: ignore[method-assign]
+    d.serving.fn = never  # type: ignore[method-assign]
     missing = asyncio.run(asyncio.wait_for(orch.dispatch._ping_all(0.05), 5))
     assert missing == ["decode"]
 
@@ -235,3 +235,17 @@ def test_a_forced_drain_ends_with_requests_in_flight() -> None:
             running.cancel()
 
     asyncio.run(go())
+
+
+def test_routing_leaves_out_a_draining_instance_while_another_serves() -> None:
+    p0, p1, d0, d1 = FakePrefill("prefill-0"), FakePrefill("prefill-1"), FakeDecode(), FakeDecode()
+    orch = _orch([p0, p1], d0)
+    _, dec = clients({"prefill-0": p0, "prefill-1": p1}, [d0, d1])
+    orch.dispatch.decode_actors = dec
+    p0.draining = d0.draining = True
+    assert asyncio.run(orch.dispatch._ping_all(1.0)) == []  # one of each kind still serves: ready
+    assert orch.dispatch.draining == {"prefill-0", "decode-0"}
+    assert orch.dispatch._routable(["prefill-0", "prefill-1"]) == ["prefill-1"]
+    p1.draining = d1.draining = True
+    assert asyncio.run(orch.dispatch._ping_all(1.0)) == ["prefill", "decode"]  # not ready
+    assert orch.dispatch._routable(["prefill-0", "prefill-1"]) == ["prefill-0", "prefill-1"]  # they refuse: a 503

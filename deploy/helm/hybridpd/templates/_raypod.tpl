@@ -1,10 +1,14 @@
-{{/* A Ray pod template: .root, .component, .containerName, .resources, .gpus, .ports, .securityContext, .nodeSelector, .tolerations */}}
+{{/* A Ray pod template: .root, .component, .containerName, .resources, .gpus, .ports, .securityContext, .nodeSelector, .tolerations, .drain (worker groups: their actors drain before the pod stops) */}}
 {{- define "hybridpd.rayPod" -}}
 metadata:
   labels:
     {{- include "hybridpd.labels" (dict "root" .root "component" .component) | nindent 4 }}
 spec:
   automountServiceAccountToken: false
+  {{- with .drain }}
+  # the actors' drain, and time for Ray to stop
+  terminationGracePeriodSeconds: {{ add .graceSeconds 30 }}
+  {{- end }}
   securityContext:
     {{- toYaml .root.Values.podSecurityContext | nindent 4 }}
   {{- with .root.Values.imagePullSecrets }}
@@ -24,6 +28,13 @@ spec:
         # Ray runs actor calls on a thread pool; fewer glibc arenas keep RSS from creeping
         - name: MALLOC_ARENA_MAX
           value: "2"
+      {{- with .drain }}
+      # the node's actors take no new request and finish theirs before Ray stops (hybridpd drain-actors)
+      lifecycle:
+        preStop:
+          exec:
+            command: ["hybridpd", "drain-actors", "--grace-s", "{{ .graceSeconds }}"]
+      {{- end }}
       ports:
         {{- toYaml .ports | nindent 8 }}
       {{- $res := deepCopy .resources }}
