@@ -22,5 +22,6 @@ def namespace(identity: str | None) -> str:
     tail = "" if identity is None else "-" + re.sub(r"[^A-Za-z0-9._-]", "_", identity)
     return "%s-%s%s" % (NAMESPACE, hybridpd.__version__, tail)
 
+
 PrefillActor = ray.remote(PrefillWorker)
 DecodeActor = ray.remote(DecodeWorker)

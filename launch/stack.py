@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -30,11 +29,11 @@ from hybridpd.index.redis_server import RedisServer
 from hybridpd.integrity import load_key, stack_key
 from hybridpd.procs import listen_ports, port_open
 from hybridpd.store.master import MooncakeMaster
+from launch.attach import check_identity, wait_ready
 from services.worker.api import DecodeClient, PrefillClient, decode_name, prefill_name
 from services.worker.token_channel import TokenSink, token_sink_host
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
     from ray.actor import ActorHandle
 
 logger = logging.getLogger(__name__)
@@ -245,69 +244,18 @@ class LocalStack:
             )
             for n in self._decode_names()
         }
-        self._wait_ready({**self.prefill, **self.decode}, timeout_s)
-        self.model_id = self._check_identity({**self.prefill, **self.decode}, expected)
-
-    def _check_identity(self, handles: dict[str, ActorHandle[Any]], expected: str | None) -> str:
-        """The model identity every actor serves; StartupError naming the first actor whose
-        identity or release is not this router's (``expected``: the router's own
-        identity of the model files; None: the first actor's)."""
-        import ray
-
-        import hybridpd
-
-        idents: list[tuple[str, str]] = ray.get([h.identity.remote() for h in handles.values()])
-        got = dict(zip(handles, idents, strict=True))
-        want = expected or next(iter(got.values()))[0]
-        for name, (identity, release) in got.items():
-            if identity != want or release != hybridpd.__version__:
-                raise StartupError(
-                    "actor %s serves model %s of hybridpd %s; this router serves %s of hybridpd %s: the actors and"
-                    " the router must run the same release with the same model files (same weights, config,"
-                    " tokenizer, dtype and block geometry)" % (name, identity, release, want, hybridpd.__version__)
-                )
-        return want
+        try:
+            wait_ready({**self.prefill, **self.decode}, timeout_s, kill=self.cfg.actor_placement != "worker_groups")
+        except StartupError:
+            self.prefill, self.decode = {}, {}
+            raise
+        self.model_id = check_identity({**self.prefill, **self.decode}, expected)
 
     def _prefill_names(self) -> list[str]:
         return [prefill_name(i) for i in range(self.cfg.num_prefill)]
 
     def _decode_names(self) -> list[str]:
         return [decode_name(j) for j in range(self.cfg.num_decode)]
-
-    def _wait_ready(self, handles: dict[str, ActorHandle[Any]], timeout_s: float) -> None:
-        """Wait until every actor is constructed. The first one that fails (or the
-        deadline) ends the wait at once with a StartupError naming the actor and its
-        error; the actors are killed then (a Ray restart would only fail again)."""
-        import ray
-
-        pending: dict[ObjectRef[Any], str] = {h.ready.remote(): name for name, h in handles.items()}
-        deadline = time.monotonic() + timeout_s
-        error: StartupError | None = None
-        while pending and error is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                error = StartupError(
-                    "actors not ready within %.0fs: %s" % (timeout_s, ", ".join(sorted(pending.values())))
-                )
-                break
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 1.0))
-            for ref in done:
-                name = pending.pop(ref)
-                try:
-                    ray.get(ref)
-                except Exception as exc:  # the actor's constructor raised, or its process died
-                    error = StartupError("actor %s failed to start: %s" % (name, _startup_cause(exc)))
-                    break
-        if error is None:
-            return
-        shared = self.cfg.actor_placement == "worker_groups"  # other router replicas' actors too
-        for h in [] if shared else handles.values():
-            try:
-                ray.kill(h, no_restart=True)
-            except Exception:  # already gone
-                logger.debug("kill failed", exc_info=True)
-        self.prefill, self.decode = {}, {}
-        raise error
 
     def orchestrator(self):
         from hybridpd.engine.factory import resolve_model
@@ -375,11 +323,3 @@ class LocalStack:
         if self.redis is not None:
             self.redis.stop()
             self.redis = None
-
-
-def _startup_cause(exc: BaseException) -> str:
-    """The actor's own error out of Ray's wrapper: its last line first (``Type: message``),
-    then the traceback Ray carried over."""
-    text = str(exc).strip()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return "%s\n%s" % (lines[-1].strip(), text) if lines else type(exc).__name__

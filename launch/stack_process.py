@@ -98,9 +98,7 @@ class StackProcess:
             *self.extra_args,
         ]
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=self.env
-            )
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env)
         deadline = time.monotonic() + self.start_timeout_s
         while "Press Ctrl-C" not in self.log.read_text(errors="replace"):
             if self.proc.poll() is not None or time.monotonic() > deadline:

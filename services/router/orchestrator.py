@@ -111,10 +111,6 @@ class Orchestrator:
         metrics.configured_prefill.set(len(prefill))
         metrics.live_prefill.set(len(prefill))
 
-    @property
-    def draining(self) -> bool:
-        return self.admission.draining
-
     def drain(self) -> None:
         """Stop being ready (``/ready`` 503, gRPC health NOT_SERVING) and admitting
         (503 with Retry-After) for good, so load balancers send nothing new while the
@@ -125,7 +121,9 @@ class Orchestrator:
         """None while this router can serve: not draining, and a prefill and a decode
         instance live (``Dispatcher.unserved``); else why not."""
         missing = await self.dispatch.unserved()
-        return "draining" if self.draining else ("no live %s instance" % " or ".join(missing) if missing else None)
+        if self.admission.draining:
+            return "draining"
+        return "no live %s instance" % " or ".join(missing) if missing else None
 
     async def stream(
         self,

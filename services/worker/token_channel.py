@@ -101,8 +101,7 @@ def decode(tagger: Tagger, frame: bytes, max_bytes: int) -> tuple[str, int, Toke
         logprobs = None
         if lps is not None:
             logprobs = tuple(
-                TokenLogprobs(float(lp), int(rank), tuple((int(t), float(v)) for t, v in top))
-                for lp, rank, top in lps
+                TokenLogprobs(float(lp), int(rank), tuple((int(t), float(v)) for t, v in top)) for lp, rank, top in lps
             )
             if len(logprobs) != len(ids):
                 raise ValueError("logprobs do not match the frame's tokens")
