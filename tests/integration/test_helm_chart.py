@@ -296,13 +296,13 @@ def _mounted_files(router: dict[str, Any], data: dict[str, Any], tmp_path: Path)
     mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
     secrets = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
     out = dict(data)
-    for field in ("api_keys_file", "operator_api_keys_file", "tls_cert_file", "tls_key_file"):
+    for field in ("api_keys_file", "operator_api_keys_file", "tls_cert_file", "tls_key_file", "integrity_key_file"):
         if out.get(field):
             folder, _, name = out[field].rpartition("/")
             assert mounts.get(folder) in secrets, (field, out[field], mounts)
             items = secrets[mounts[folder]].get("items")
             assert items is None or name in [i["path"] for i in items], (field, items)
-            (tmp_path / name).write_text("x\n")
+            (tmp_path / name).write_text("x" * 64 + "\n")
             out[field] = str(tmp_path / name)
     return out
 
@@ -1141,3 +1141,24 @@ def test_worker_pods_drain_their_actors_before_they_stop(name: str, rendered: di
         assert pre == ["hybridpd", "drain-actors", "--grace-s", str(grace)], role
         assert spec["terminationGracePeriodSeconds"] == grace + 30, role
     assert "lifecycle" not in pods["ray-head"]["spec"]["containers"][0]  # the head hosts no actors
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_the_router_and_every_ray_pod_mount_the_deployment_key(
+    name: str, rendered: dict[str, list[dict[str, Any]]]
+) -> None:
+    docs = rendered[name]
+    path = _config(docs)["integrity_key_file"]
+    folder, _, item = path.rpartition("/")
+    secret = _one(docs, "Secret", "-integrity")
+    key = base64.b64decode(secret["data"][item]).decode()
+    assert len(key) >= 32
+    for role, t in _pod_templates(docs).items():
+        if role not in ("router", "ray-head", "ray-prefill", "ray-decode"):
+            continue
+        pod = t["spec"]
+        mounts = {m["mountPath"]: m["name"] for m in pod["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        vol = volumes[mounts[folder]]["secret"]
+        assert vol["secretName"] == secret["metadata"]["name"] and item in [i["path"] for i in vol["items"]], role
+    assert key not in yaml.safe_dump_all([d for d in docs if d["kind"] != "Secret"])

@@ -257,3 +257,26 @@ spec:
       name: {{ include "hybridpd.rayTokenSecretName" . }}
       key: {{ .Values.ray.auth.secretKey }}
 {{- end -}}
+
+{{/* The deployment key (integrity_key_file): tags of store objects, handoffs and token frames. */}}
+{{- define "hybridpd.integrityDir" -}}/etc/hybridpd-integrity{{- end -}}
+
+{{- define "hybridpd.integritySecretName" -}}
+{{- default (printf "%s-integrity" (include "hybridpd.fullname" .)) .Values.integrity.existingSecret -}}
+{{- end -}}
+
+{{/* The key's mount and volume: the router and every Ray pod read the same file (actors get its path in the config). */}}
+{{- define "hybridpd.integrityMount" -}}
+- name: integrity
+  mountPath: {{ include "hybridpd.integrityDir" . }}
+  readOnly: true
+{{- end -}}
+
+{{- define "hybridpd.integrityVolume" -}}
+- name: integrity
+  secret:
+    secretName: {{ include "hybridpd.integritySecretName" . }}
+    items:
+      - key: {{ .Values.integrity.secretKey }}
+        path: {{ .Values.integrity.secretKey }}
+{{- end -}}

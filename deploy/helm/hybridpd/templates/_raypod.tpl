@@ -51,6 +51,7 @@ spec:
         - name: shm
           mountPath: /dev/shm
         {{- include "hybridpd.writableMounts" .root | nindent 8 }}
+        {{- include "hybridpd.integrityMount" .root | nindent 8 }}
         {{- if include "hybridpd.redisCaSecret" .root }}
         # the actors connect to Redis with the router's URL, whose ssl_ca_certs names this file
         - name: redis-ca
@@ -63,6 +64,7 @@ spec:
       emptyDir:
         medium: Memory
     {{- include "hybridpd.writableVolumes" .root | nindent 4 }}
+    {{- include "hybridpd.integrityVolume" .root | nindent 4 }}
     {{- with include "hybridpd.redisCaVolume" .root }}
     {{- . | nindent 4 }}
     {{- end }}
