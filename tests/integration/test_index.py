@@ -258,3 +258,40 @@ def test_apply_local_equals_applying_the_events_one_by_one(redis_server: RedisSe
     for key in (index.keys.local_kv("i"), index.keys.local_st("i")):
         ttl = index.r.ttl(key)
         assert ttl == -2 or 0 < ttl <= 777, ttl  # absent, or expiring like every entry
+
+
+def test_weights_changed_under_one_name_never_hit_the_old_state(
+    redis_server: RedisServer, mooncake_master: MooncakeMaster, tmp_path: Path
+) -> None:
+    """#51: the same directory name with changed weights is a new identity, so what the
+    old weights left in the index and the store is never found under the new one."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from hybridpd.config import load_config
+    from hybridpd.engine.factory import resolve_model
+    from hybridpd.model_identity import engine_identity
+
+    cfg = load_config(env={})
+    bundled = resolve_model(cfg)
+    assert isinstance(bundled, Path)
+    old = engine_identity(cfg, bundled)
+    changed = tmp_path / bundled.name
+    shutil.copytree(bundled, changed)
+    weights = load_file(changed / "model.safetensors")
+    first = sorted(weights)[0]
+    weights[first] = weights[first] * 1.001
+    save_file(weights, changed / "model.safetensors")
+    new = engine_identity(cfg, changed)
+    assert new != old
+    chain = HASHER.chain(list(range(7000, 7000 + 8 * UNIT)))
+    PrefixIndex(redis_server.url, old).publish_store(chain, chain[-1], 8 * UNIT)
+    assert PrefixIndex(redis_server.url, old).lookup(chain, 8 * UNIT + 1, UNIT, False).store_hit == 8 * UNIT
+    assert PrefixIndex(redis_server.url, new).lookup(chain, 8 * UNIT + 1, UNIT, False).store_hit == 0
+    stores = [CheckpointStore(mooncake_master.address, mooncake_master.metadata_url, m) for m in (old, new)]
+    try:
+        assert stores[0].key("st", chain[-1]) != stores[1].key("st", chain[-1])
+    finally:
+        for s in stores:
+            s.close()
