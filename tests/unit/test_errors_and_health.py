@@ -6,8 +6,10 @@ prefill or no decode instance is live, or while it drains; ``/health`` is livene
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -190,16 +192,23 @@ def test_a_hung_instance_is_not_live() -> None:
     assert missing == ["decode"]
 
 
+@contextlib.asynccontextmanager
+async def _one_in_flight(gate: asyncio.Event) -> AsyncIterator[tuple[RouterServer, httpx.AsyncClient, asyncio.Task]]:
+    """A router whose one prefill instance waits for ``gate``, with a request admitted
+    and held there: (the server, a client of its app, that request)."""
+    orch = _orch([FakePrefill("prefill-0", gate=gate)])
+    server = RouterServer(orch, "tiny", "127.0.0.1", free_port(), free_port(), _stats)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=server.app), base_url="http://router") as c:
+        running = asyncio.create_task(c.post("/v1/completions", json=BODY))
+        while orch.admission.inflight == 0:
+            await asyncio.sleep(0.01)
+        yield server, c, running
+
+
 def test_drain_refuses_new_requests_and_waits_for_those_in_flight() -> None:
     async def go() -> None:
         gate = asyncio.Event()
-        orch = _orch([FakePrefill("prefill-0", gate=gate)])
-        server = RouterServer(orch, "tiny", "127.0.0.1", free_port(), free_port(), _stats)
-        transport = httpx.ASGITransport(app=server.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
-            running = asyncio.create_task(c.post("/v1/completions", json=BODY))
-            while orch.admission.inflight == 0:
-                await asyncio.sleep(0.01)
+        async with _one_in_flight(gate) as (server, c, running):
             drain = asyncio.create_task(server.drain(asyncio.Event()))
             await asyncio.sleep(0)  # the drain's first step: nothing new is admitted from here on
             refused = await c.post("/v1/completions", json=BODY)
@@ -207,7 +216,7 @@ def test_drain_refuses_new_requests_and_waits_for_those_in_flight() -> None:
             assert refused.json()["error"]["type"] == "DrainingError" and "shutting down" in refused.text
             ready = await c.get("/ready")
             assert ready.status_code == 503 and "draining" in ready.text
-            assert not drain.done() and orch.admission.inflight == 1  # it waits for the one in flight
+            assert not drain.done() and server.orch.admission.inflight == 1  # it waits for the one in flight
             gate.set()
             done = await running
             await asyncio.wait_for(drain, 10)
@@ -218,20 +227,14 @@ def test_drain_refuses_new_requests_and_waits_for_those_in_flight() -> None:
 
 def test_a_forced_drain_ends_with_requests_in_flight() -> None:
     async def go() -> None:
-        orch = _orch([FakePrefill("prefill-0", gate=asyncio.Event())])
-        server = RouterServer(orch, "tiny", "127.0.0.1", free_port(), free_port(), _stats)
-        transport = httpx.ASGITransport(app=server.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
-            running = asyncio.create_task(c.post("/v1/completions", json=BODY))
-            while orch.admission.inflight == 0:
-                await asyncio.sleep(0.01)
+        async with _one_in_flight(asyncio.Event()) as (server, _, running):
             force = asyncio.Event()
             drain = asyncio.create_task(server.drain(force))
             await asyncio.sleep(0.2)
             assert not drain.done()
             force.set()
             await asyncio.wait_for(drain, 10)
-            assert orch.admission.inflight == 1
+            assert server.orch.admission.inflight == 1
             running.cancel()
 
     asyncio.run(go())
