@@ -14,9 +14,10 @@ stack, a test double in the router's unit tests.
 from __future__ import annotations
 
 from collections.abc import Awaitable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from hybridpd.engine.base import EngineRequest
+from hybridpd.errors import IntegrityError
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 from services.worker.token_channel import SinkStream, TokenSink
 
@@ -45,6 +46,17 @@ class RemoteMethod(Protocol):
     def options(self, **options: object) -> RemoteMethod: ...
 
 
+T = TypeVar("T")
+
+
+def _typed(got: object, kind: type[T], source: str) -> T:
+    """``got`` if it is a ``kind`` (what the worker's method returns), else IntegrityError:
+    a check that holds under ``python -O`` too, where an ``assert`` vanishes."""
+    if not isinstance(got, kind):
+        raise IntegrityError("%s answered a %s, not a %s" % (source, type(got).__name__, kind.__name__))
+    return got
+
+
 class WorkerClient:
     """What every worker answers: abort, stats, the fault hook, a ping."""
 
@@ -63,9 +75,7 @@ class WorkerClient:
 
     async def stats(self) -> dict[str, object]:
         """Identity, pools and counters (``WorkerBase._base_stats`` and the worker's own)."""
-        got = await self.handle.stats.remote()
-        assert isinstance(got, dict)
-        return got
+        return _typed(await self.handle.stats.remote(), dict, self.name)
 
     async def inject_fault(self, kind: str) -> None:
         """Test hook (``fault_injection``): the worker's engine injects ``kind``."""
@@ -75,9 +85,7 @@ class WorkerClient:
 class PrefillClient(WorkerClient):
     async def prefill(self, cmd: PrefillCommand) -> PrefillResult:
         """Prefill ``cmd.request`` (``PrefillWorker.prefill``)."""
-        got = await self.handle.prefill.remote(cmd)
-        assert isinstance(got, PrefillResult)
-        return got
+        return _typed(await self.handle.prefill.remote(cmd), PrefillResult, self.name)
 
     def answer(self, req: EngineRequest) -> None:
         """Prefill ``req`` (prompt + answer) at low priority, fire and forget
@@ -100,9 +108,7 @@ class DecodeStream:
             ref = await self._gen.__anext__()  # type: ignore[attr-defined]
         except StopAsyncIteration:
             return None
-        chunk = await ref
-        assert isinstance(chunk, TokenChunk)
-        return chunk
+        return _typed(await ref, TokenChunk, "a decode stream")
 
 
 class DecodeClient(WorkerClient):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -282,3 +283,21 @@ def test_an_unknown_counter_name_is_an_error(cls: type) -> None:
     c = cls()
     with pytest.raises(AttributeError):
         c.handoffs += 1
+
+
+def test_a_worker_answer_of_the_wrong_type_is_refused_under_python_O_too() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "from services.worker.api import _typed\n"
+        "from hybridpd.errors import IntegrityError\n"
+        "assert_off = __debug__ is False\n"
+        "try:\n"
+        "    _typed([1], dict, 'prefill-0')\n"
+        "except IntegrityError as e:\n"
+        "    print('refused', assert_off, e)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.startswith("refused True prefill-0 answered a list, not a dict"), out.stdout + out.stderr
