@@ -16,7 +16,3 @@ def setup_logging(level: str | None = None) -> None:
     lvl = (level or os.environ.get("HYBRIDPD_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(level=lvl, format=_FORMAT)
     logging.getLogger().setLevel(lvl)
-
-
-def get_logger(name: str) -> logging.Logger:
-    return logging.getLogger(name)

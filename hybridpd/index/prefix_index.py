@@ -290,17 +290,6 @@ class PrefixIndex:
                 pipe.sadd(self.keys.local_st(instance), *state_hashes)
             pipe.execute()
 
-    def remove_local(
-        self, instance: str, kv_hashes: Sequence[BlockHash] = (), state_hashes: Sequence[BlockHash] = ()
-    ) -> None:
-        with _mapped():
-            pipe = self.r.pipeline(transaction=False)
-            if kv_hashes:
-                pipe.srem(self.keys.local_kv(instance), *kv_hashes)
-            if state_hashes:
-                pipe.srem(self.keys.local_st(instance), *state_hashes)
-            pipe.execute()
-
     def apply_local(self, instance: str, events: Sequence[CacheEvent]) -> None:
         """Mirror ``instance``'s cache events, in order, in one round trip (idempotent:
         replaying a batch that failed half-way gives the same entries). Events

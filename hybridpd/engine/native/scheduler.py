@@ -209,9 +209,3 @@ class Scheduler:
             self.kv_pool.free(reversed(seq.block_ids))
             seq.block_ids = []
         seq.status = SeqStatus.FINISHED
-
-    def find(self, rid: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting, *self.background):
-            if seq.rid == rid:
-                return seq
-        return None
