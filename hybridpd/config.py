@@ -385,6 +385,11 @@ class HybridPDConfig(BaseModel):
             )
         if self.device == "cuda" and self.actor_placement == "worker_groups" and self.actor_num_gpus == 0:
             raise ConfigError("actor_num_gpus", "must be > 0 when device is cuda on Ray worker groups")
+        for name, instead in profile_of(self).unread_config:
+            if getattr(self, name) != type(self).model_fields[name].default:
+                raise ConfigError(
+                    name, "the %s engine does not read it: %s; leave it at its default" % (self.engine, instead)
+                )
         methods = profile_of(self).speculative_methods
         if self.speculative_method not in methods:
             raise ConfigError(

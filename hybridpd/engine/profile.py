@@ -151,6 +151,10 @@ class EngineProfile:
     #: the package whose version shapes the state the engine exports (part of the model
     #: identity: ``model_identity.engine_facts``); None: hybridpd's own engine
     package: str | None = None
+    #: config fields this engine does not read, each with what sizes or decides it
+    #: there instead: a value other than the default is a ConfigError (``config.py``),
+    #: never silently ignored
+    unread_config: tuple[tuple[str, str], ...] = ()
 
     def supports(self, feature: Feature) -> bool:
         return feature in self.features
@@ -212,6 +216,12 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
         tokenizer_stop_ids=False,
         keyed_hash_seed=False,
         package="vllm",
+        unread_config=(
+            ("num_kv_blocks", "vLLM sizes its KV cache itself (kv_cache_memory_bytes, HYBRIDPD_VLLM_KV_CACHE_BLOCKS)"),
+            ("state_cache_mb", "vLLM keeps recurrent states in its own Mamba cache"),
+            ("handoff_timeout_s", "vLLM's NixlConnector frees unread handoffs on its own timeout"),
+            ("checkpoint_alignment", "vLLM checkpoints at unit boundaries (its geometry is u, u, u)"),
+        ),
     )
 
 

@@ -181,3 +181,16 @@ def test_bind_role_cpus_binds_the_thread_and_its_children() -> None:
         return
     prefill, decode = split_cpus(cpus)
     assert got == {"prefill": prefill, "prefill_child": prefill, "decode": decode, "decode_child": decode}
+
+
+def test_a_field_the_engine_does_not_read_is_refused_not_ignored() -> None:
+    from hybridpd.engine.profile import profile_of
+
+    vllm = load_config(env={}, overrides={"engine": "vllm"})
+    unread = dict(profile_of(vllm).unread_config)
+    assert set(unread) == {"num_kv_blocks", "state_cache_mb", "handoff_timeout_s", "checkpoint_alignment"}
+    changed = {"num_kv_blocks": 128, "state_cache_mb": 8, "handoff_timeout_s": 5, "checkpoint_alignment": 32}
+    for name, value in changed.items():
+        with pytest.raises(ConfigError, match="the vllm engine does not read it"):
+            load_config(env={}, overrides={"engine": "vllm", name: value})
+        assert getattr(load_config(env={}, overrides={name: value}), name) == value  # the native engine reads it

@@ -65,7 +65,7 @@ def test_native_profile() -> None:
 
 
 def test_vllm_profile() -> None:
-    p = _profile(engine="vllm", prefix_match_unit=16, mamba_block_size=64, checkpoint_alignment=32)
+    p = _profile(engine="vllm", prefix_match_unit=16, mamba_block_size=64)  # checkpoint_alignment: unread
     assert p.name == "vllm"
     assert p.geometry == CheckpointGeometry(16, 16, 16)  # staged prefixes: any unit multiple
     assert (p.prefill_backoff, p.extra_checkpoints, p.staged) == (1, "staged", True)
