@@ -68,6 +68,7 @@ from hybridpd.engine.base import (
 )
 from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once, mooncake_config
 from hybridpd.engine.vllm.background import BackgroundQueue
+from hybridpd.engine.vllm.internals import check_version, require
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import (
     kept_cpu_affinity,
@@ -157,6 +158,9 @@ class VllmEngine:
         ``$HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES``, else 1 GiB); ``kv_cache_blocks``: that space
         in pages (None: ``$HYBRIDPD_VLLM_KV_CACHE_BLOCKS``, else by bytes); vLLM then
         allocates exactly that many pages, whatever the bytes say."""
+        import vllm
+
+        check_version(vllm.__version__)  # its internals are read below (internals.py)
         check_dtype(cfg, model_dir)
         events_endpoint = kv_events_endpoint() if cache_events else None
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -234,11 +238,11 @@ class VllmEngine:
         self._prefixes: dict[str, tuple[str, int]] = {}
         #: background requests (answer checkpoints), run only while no foreground one is live
         self.background = BackgroundQueue()
-        sched = getattr(self._core(), "scheduler", None)
+        sched = require(self._core(), "scheduler", "EngineCore")
         #: whether this engine's hits drop a unit for an EAGLE-family drafter (vLLM's scheduler says)
-        self.drop_eagle_block = bool(getattr(sched, "use_eagle_block_drop", False))
+        self.drop_eagle_block = bool(require(sched, "use_eagle_block_drop", "Scheduler"))
         #: whether vLLM hits at prefix_match_unit granularity inside its blocks (else extras are not staged)
-        self.partial_hits = bool(getattr(sched, "mamba_partial_cache_hit", False))
+        self.partial_hits = bool(require(sched, "mamba_partial_cache_hit", "Scheduler"))
 
     def _check_shared_prefix_option(self, asked: bool) -> None:
         """Read back what vLLM made of ``enable_mamba_shared_prefix_checkpoint``: it
