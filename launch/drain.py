@@ -31,7 +31,11 @@ def node_actors(all_nodes: bool) -> dict[str, Any]:
     filters: list[tuple[str, str, str | bool | int | float]] = [("state", "=", "ALIVE")]
     if not all_nodes:
         filters.append(("node_id", "=", ray.get_runtime_context().get_node_id()))
-    found = [a for a in list_actors(filters=filters, detail=True, limit=10_000) if a.class_name in WORKER_CLASSES]
+    # NOTE: the cluster this driver joined, by its GCS address: without one the state API looks
+    # for "the" local Ray and fails when a machine runs more than one
+    gcs = ray.get_runtime_context().gcs_address
+    listed = list_actors(address=gcs, filters=filters, detail=True, limit=10_000)
+    found = [a for a in listed if a.class_name in WORKER_CLASSES]
     return {a.name: ray.get_actor(a.name, namespace=a.ray_namespace) for a in found if a.name}
 
 
