@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Sequence
@@ -175,8 +176,11 @@ class VllmEngine:
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_memory_bytes >> 30))
         if events_endpoint is not None:
             os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"  # full hashes: they equal our chain
+        #: the folder of MooncakeStoreConnector's config file (removed by ``close``)
+        self._tmpdir: str | None = None
         if store is not None and role == "prefill":
-            path = Path(tempfile.mkdtemp(prefix="hybridpd-mooncake-")) / "mooncake.json"
+            self._tmpdir = tempfile.mkdtemp(prefix="hybridpd-mooncake-")
+            path = Path(self._tmpdir) / "mooncake.json"
             path.write_text(json.dumps(mooncake_config(*store)))
             os.environ["MOONCAKE_CONFIG_PATH"] = str(path)
         if role != "local" and "VLLM_NIXL_SIDE_CHANNEL_PORT" not in os.environ:
@@ -737,6 +741,9 @@ class VllmEngine:
             self.engine.engine_core.shutdown()
         except Exception:  # already down
             logger.debug("vLLM shutdown failed", exc_info=True)
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
 
 
 def _store_scheduler(connector: Any) -> Any:
