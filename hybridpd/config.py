@@ -336,6 +336,9 @@ class HybridPDConfig(BaseModel):
         description="Ray custom resource a decode actor needs one unit of (worker_groups placement).",
     )
     actor_num_gpus: float = Field(0.0, ge=0, le=16, description="GPUs each prefill/decode actor reserves in Ray.")
+    decode_num_gpus: float | None = Field(
+        None, ge=0, le=16, description="GPUs each decode actor reserves (null: actor_num_gpus, as prefill actors)."
+    )
     cpu_binding: Literal["auto", "split", "off"] = Field(
         "auto",
         description="Give prefill and decode actors their own CPUs, as P/D gives them their own devices: split"
@@ -383,8 +386,10 @@ class HybridPDConfig(BaseModel):
                 "must be a multiple of prefix_match_unit (%d), got %d"
                 % (self.prefix_match_unit, self.placement_interval),
             )
-        if self.device == "cuda" and self.actor_placement == "worker_groups" and self.actor_num_gpus == 0:
-            raise ConfigError("actor_num_gpus", "must be > 0 when device is cuda on Ray worker groups")
+        if self.device == "cuda" and self.actor_placement == "worker_groups":
+            for field, role in (("actor_num_gpus", "prefill"), ("decode_num_gpus", "decode")):
+                if self.num_gpus(role) == 0:
+                    raise ConfigError(field, "must be > 0 when device is cuda on Ray worker groups")
         for name, instead in profile_of(self).unread_config:
             if getattr(self, name) != type(self).model_fields[name].default:
                 raise ConfigError(
@@ -458,6 +463,12 @@ class HybridPDConfig(BaseModel):
                 "redis_cluster", "a Redis Cluster has database 0 only: end redis_url with /0 or no database"
             )
         return self
+
+    def num_gpus(self, role: str) -> float:
+        """GPUs an actor of ``role`` ("prefill" or "decode") reserves in Ray."""
+        if role == "decode" and self.decode_num_gpus is not None:
+            return self.decode_num_gpus
+        return self.actor_num_gpus
 
     def engine_dtype(self) -> str:
         """``dtype`` with 'auto' resolved for the engine (its profile's ``default_dtype``;

@@ -222,11 +222,12 @@ class LocalStack:
         prefill_opts, decode_opts = dict(opts), dict(opts)
         if self.cfg.actor_placement == "worker_groups":
             # NOTE: detached + get_if_exists: every router replica attaches to the same actors
-            shared = {"lifetime": "detached", "get_if_exists": True, "num_gpus": self.cfg.actor_num_gpus}
+            shared = {"lifetime": "detached", "get_if_exists": True}
             prefill_opts.update(shared, resources={self.cfg.prefill_resource: 1})
             decode_opts.update(shared, resources={self.cfg.decode_resource: 1})
-        elif self.cfg.actor_num_gpus:
-            prefill_opts["num_gpus"] = decode_opts["num_gpus"] = self.cfg.actor_num_gpus
+        for role, o in (("prefill", prefill_opts), ("decode", decode_opts)):
+            if self.cfg.num_gpus(role):
+                o["num_gpus"] = self.cfg.num_gpus(role)
         urls = self.urls
         self.prefill = {
             n: cast(

@@ -1162,3 +1162,20 @@ def test_the_router_and_every_ray_pod_mount_the_deployment_key(
         vol = volumes[mounts[folder]]["secret"]
         assert vol["secretName"] == secret["metadata"]["name"] and item in [i["path"] for i in vol["items"]], role
     assert key not in yaml.safe_dump_all([d for d in docs if d["kind"] != "Secret"])
+
+
+def test_each_role_reserves_its_own_gpus() -> None:
+    values = {
+        "auth": {"allowAnonymous": True},
+        "config": {"device": "cuda"},
+        "ray": {"prefill": {"gpus": 2}, "decode": {"gpus": 1}},
+    }
+    docs = _render(values)
+    cfg = _config(docs)
+    assert (cfg["actor_num_gpus"], cfg["decode_num_gpus"]) == (2, 1)
+    rc = _one(docs, "RayCluster")
+    limits = {
+        g["groupName"]: g["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"]
+        for g in rc["spec"]["workerGroupSpecs"]
+    }
+    assert limits == {"prefill": 2, "decode": 1}

@@ -111,6 +111,11 @@ def test_gpu_worker_groups_need_gpus_per_actor() -> None:
         load_config(env={}, overrides=base)
     cfg = load_config(env={}, overrides={**base, "actor_num_gpus": 1})
     assert cfg.actor_num_gpus == 1.0 and cfg.store_host == "127.0.0.1"
+    assert (cfg.num_gpus("prefill"), cfg.num_gpus("decode")) == (1.0, 1.0)  # decode as prefill by default
+    cfg = load_config(env={}, overrides={**base, "actor_num_gpus": 2, "decode_num_gpus": 1})
+    assert (cfg.num_gpus("prefill"), cfg.num_gpus("decode")) == (2.0, 1.0)
+    with pytest.raises(ConfigError, match="decode_num_gpus"):
+        load_config(env={}, overrides={**base, "actor_num_gpus": 1, "decode_num_gpus": 0})
 
 
 @pytest.mark.parametrize(

@@ -44,9 +44,6 @@
 {{- if and $gpus (ne $c.device "cuda") -}}
 {{- fail "ray.prefill.gpus / ray.decode.gpus are set but config.device is cpu: set config.device=cuda (or gpus to 0)" -}}
 {{- end -}}
-{{- if ne (int .Values.ray.prefill.gpus) (int .Values.ray.decode.gpus) -}}
-{{- fail "ray.prefill.gpus and ray.decode.gpus must be equal (every actor reserves the same GPUs)" -}}
-{{- end -}}
 {{- if and .Values.router.autoscaling.enabled (gt (int .Values.router.autoscaling.minReplicas) (int .Values.router.autoscaling.maxReplicas)) -}}
 {{- fail (printf "router.autoscaling.minReplicas (%d) exceeds maxReplicas (%d)" (int .Values.router.autoscaling.minReplicas) (int .Values.router.autoscaling.maxReplicas)) -}}
 {{- end -}}
