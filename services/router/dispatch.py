@@ -30,7 +30,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field, replace
 
 from ray.exceptions import RayActorError
@@ -395,15 +395,21 @@ class Dispatcher:
 
     # -- decode -------------------------------------------------------------------------
     async def decode(
-        self, pr: PrefillResult, req: EngineRequest, flight: Flight, deadline: Deadline
+        self,
+        pr: PrefillResult,
+        req: EngineRequest,
+        flight: Flight,
+        deadline: Deadline,
+        hashes: Sequence[BlockHash] | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Decode chunks of ``req`` continued from ``pr`` (which has a handoff), until
-        the stream ends. A handoff that fails (IntegrityError, HandoffError, a dead
-        actor) before the first chunk is prefilled and decoded once more; later, or
-        a second time, the request fails with UnavailableError."""
+        the stream ends (``hashes``: the prompt's chain, when its route computed it).
+        A handoff that fails (IntegrityError, HandoffError, a dead actor) before the
+        first chunk is prefilled and decoded once more; later, or a second time, the
+        request fails with UnavailableError."""
         failed: str | None = None
         for attempt in range(2):
-            name = await self._pick_decode(req, avoid=failed)
+            name = await self._pick_decode(req, avoid=failed, hashes=hashes)
             actor = self.decode_actors[name]
             flight.hold(actor)
             stream = actor.generate(pr, req)
@@ -426,7 +432,9 @@ class Dispatcher:
                 stream.close()
                 self.decoding[name] -= 1
 
-    async def _pick_decode(self, req: EngineRequest, avoid: str | None = None) -> str:
+    async def _pick_decode(
+        self, req: EngineRequest, avoid: str | None = None, hashes: Sequence[BlockHash] | None = None
+    ) -> str:
         """The decode instance for ``req`` (``routing.choose_decode``): with more than
         one, the index says which holds the prompt's leading blocks (one round trip;
         an index failure degrades to round robin). ``avoid``: the one whose handoff
@@ -434,7 +442,8 @@ class Dispatcher:
         names = [n for n in self._routable(sorted(self.decode_actors)) if n != avoid] or sorted(self.decode_actors)
         held: dict[str, int] = {}
         if len(names) > 1 and self.index is not None and self.cfg.enable_prefix_caching:
-            hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
+            if hashes is None:  # the route's chain, else hashed once more
+                hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
             try:
                 held = await asyncio.to_thread(self.index.held_blocks, names, hashes)
             except Exception as exc:  # affinity is an optimisation: never fail a request for it

@@ -9,12 +9,11 @@
 prefill's tokens (the native engine's first token; none from vLLM, whose
 decode samples every output token) are sent first; a request that finished at
 prefill (a finish reason, or no handoff ticket) ends there, else the decode
-stream follows. A prefill with neither tokens, a finish reason nor a ticket
-fails the request (UnavailableError). TTFT is observed when the
-request's first token arrives, from whichever side. When the consumer stops
-early (client disconnect, cancel) or the request fails or hits a stop string,
-the ``finally`` aborts the work on every actor holding it, so their blocks
-are freed.
+stream follows. A prefill with neither tokens, a finish reason nor a ticket fails
+the request (UnavailableError). TTFT is observed when its first token arrives
+(either side); decode is chosen on the route's hash chain. When the consumer
+stops early (client disconnect, cancel) or the request fails or hits a stop
+string, the ``finally`` aborts the work on every actor holding it.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, TokenLogprobs
 from hybridpd.errors import EngineError, InvalidRequestError, UnavailableError
+from hybridpd.hashing import BlockHash
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.tokenizer import TextTokenizer
 from services.router.admission import Admission, Deadline, Ticket
@@ -75,6 +75,7 @@ class _Run:
     finish_reason: str | None = None
     #: the slot this request took itself (it came without a ticket): released at its end
     own: Ticket | None = None
+    hashes: Sequence[BlockHash] | None = None  # the prompt's chain (its route's): decode affinity reads it
 
 
 class Orchestrator:
@@ -164,7 +165,7 @@ class Orchestrator:
                     return
             elif not pr.has_handoff:
                 raise UnavailableError("prefill of %s returned neither a token nor a handoff" % req.request_id)
-            async with aclosing(self.dispatch.decode(pr, req, run.flight, run.deadline)) as chunks:
+            async with aclosing(self.dispatch.decode(pr, req, run.flight, run.deadline, run.hashes)) as chunks:
                 async for chunk in chunks:
                     ev = self._decoded(run, out, chunk)
                     yield ev
@@ -186,7 +187,7 @@ class Orchestrator:
         or broken against what the prefill restored)."""
         req = run.req
         route = await self.dispatch.route(req, force_instance)
-        decision = route.decision
+        decision, run.hashes = route.decision, route.hashes
         self.metrics.routing.labels(decision.kind).inc()
         self.metrics.queue_time.observe(run.deadline.elapsed())
         preq = self.dispatch.with_junction(req, route, run.boundaries)

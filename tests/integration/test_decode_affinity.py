@@ -11,6 +11,7 @@ choosing between them (``routing.choose_decode``).
 from __future__ import annotations
 
 import asyncio
+import types
 import uuid
 from collections.abc import Iterator
 from typing import Any, cast
@@ -101,6 +102,17 @@ def test_the_next_turn_goes_to_the_holder_unless_it_is_overloaded(
         if s.name.endswith("_total")
     }
     assert got == {"affinity": 2.0, "overloaded": 1.0, "round_robin": 1.0}
+
+    # the route's chain is passed on: decode affinity does not hash the prompt again (#53)
+    hasher = disp.hasher
+
+    def hashed_again(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the prompt was hashed again")
+
+    disp.hasher = cast("Any", types.SimpleNamespace(chain=hashed_again))
+    disp.decoding = {}
+    assert asyncio.run(disp._pick_decode(_req("t2", nxt), hashes=chain)) == first
+    disp.hasher = hasher
 
     # on the holder, the next turn's handoff reads only what it lacks
     before = decoders[first].stats()
