@@ -21,7 +21,8 @@ def attached_routers(first: StackProcess, n: int, args: list[str], workdir: Path
     extra: list[StackProcess] = []
     try:
         for i in range(1, n):
-            extra.append(StackProcess(workdir / ("router-%d" % i), [*args, *first.attach_args()]).start())
+            attached = StackProcess(workdir / ("router-%d" % i), [*args, *first.attach_args()], env=first.attach_env())
+            extra.append(attached.start())
         yield [first.http, *(s.http for s in extra)]
     finally:
         for s in reversed(extra):

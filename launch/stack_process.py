@@ -129,6 +129,14 @@ class StackProcess:
             *self.key_args(),
         ]
 
+    def attach_env(self) -> dict[str, str]:
+        """The environment another process needs to join this stack's Ray cluster: a
+        cluster with token auth (the banner says so) takes ``RAY_AUTH_MODE=token`` from
+        its joiners (the token itself is this machine's ``~/.ray/auth_token``)."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        dash = next((ln for ln in lines if ln.strip().startswith("Ray dashboard")), "")
+        return {"RAY_AUTH_MODE": "token"} if "token auth" in dash else {}
+
     def key_args(self) -> list[str]:
         """``--integrity-key-file`` of this stack's key (the file ``hybridpd up`` printed;
         none for a stack on the public key): every router and actor holds the one key."""

@@ -48,7 +48,9 @@ def more_routers(plain: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iter
     try:
         for i in range(3):
             s = Stack(
-                Path(tmp_path_factory.mktemp("router%d" % (i + 2))), ["--max-model-len", "16384", *plain.attach_args()]
+                Path(tmp_path_factory.mktemp("router%d" % (i + 2))),
+                ["--max-model-len", "16384", *plain.attach_args()],
+                env=plain.attach_env(),
             )
             started.append(s)
             s.start()
