@@ -144,6 +144,7 @@ def bench_growing_streams(
             "stack-vllm-no-store",
             "vllm-direct",
             "vllm-pd",
+            "vllm-pd-shipped",
         ]
     ),
     help="Run only these variants and merge them into the same workload's results already in --json"
@@ -151,8 +152,8 @@ def bench_growing_streams(
     " interval at its scheduler block, stack-vllm-1p1d, the same with one prefill actor,"
     " stack-vllm-no-tail-stage, the same without the P/D tail stage, stack-vllm-no-store, the same"
     " without vLLM's MooncakeStore connector,"
-    " vllm-direct and vllm-pd, vLLM's own prefill/decode setup,"
-    " need the vLLM environment: make bootstrap-vllm).",
+    " vllm-direct and vllm-pd[-shipped], vLLM's own prefill/decode setup with NIXL's progress thread off"
+    " [as vLLM ships it], need the vLLM environment: make bootstrap-vllm).",
 )
 @click.option(
     "--workload",
@@ -214,11 +215,23 @@ def bench_placement(json_path: str, checkpoints: int, min_gain: float) -> None:
     "variants",
     multiple=True,
     type=click.Choice(
-        ["answers-cached", "prompt-only", "nocache", "vllm-direct", "vllm-pd", "stack-vllm", "stack-vllm-prompt-only"]
+        [
+            "answers-cached",
+            "prompt-only",
+            "nocache",
+            "vllm-direct",
+            "vllm-pd",
+            "vllm-pd-shipped",
+            "stack-vllm",
+            "stack-vllm-prompt-only",
+            "stack-vllm-1p1d",
+        ]
     ),
     help="Run only these variants and merge them into the same workload's results already in --json"
-    " (stack-vllm[-prompt-only], our stack on the vLLM engine with answer checkpoints on [off], vllm-direct"
-    " and vllm-pd, vLLM's own prefill/decode setup, need the vLLM environment: make bootstrap-vllm).",
+    " (stack-vllm[-prompt-only], our stack on the vLLM engine with answer checkpoints on [off],"
+    " stack-vllm-1p1d, the same with one prefill engine, vllm-direct and vllm-pd[-shipped], vLLM's own"
+    " prefill/decode setup with NIXL's progress thread off [as vLLM ships it], need the vLLM environment:"
+    " make bootstrap-vllm).",
 )
 @click.option(
     "--workload",
@@ -341,7 +354,15 @@ def bench_overhead(
     "targets",
     multiple=True,
     type=click.Choice(
-        ["stack-native", "stack-vllm", "stack-vllm-1p1d", "stack-vllm-1p1d-no-placement", "vllm-direct", "vllm-pd"]
+        [
+            "stack-native",
+            "stack-vllm",
+            "stack-vllm-1p1d",
+            "stack-vllm-1p1d-no-placement",
+            "vllm-direct",
+            "vllm-pd",
+            "vllm-pd-shipped",
+        ]
     ),
     help="Run only these targets (repeatable; default: all).",
 )

@@ -39,6 +39,7 @@ module is the plan and the arithmetic, pure (``tests/unit/test_bench_multi_turn.
 
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -388,25 +389,35 @@ def checks(variants: dict[str, Any], unit: int) -> dict[str, Any]:
         ratio["stack_vllm_ttft_ok"] = bool(a and b and a / b <= STACK_VLLM_TTFT_MAX)
         out.update(judged(same, ratio))
         out["stack_vllm_same_run"] = same
-    pd = variants.get("vllm-pd")
-    if sv is not None and pd is not None:
-        out.update(_against_vllm_pd(sv, pd))
+    for ours, theirs in itertools.product(("stack-vllm", "stack-vllm-1p1d"), ("vllm-pd", "vllm-pd-shipped")):
+        if ours in variants and theirs in variants:
+            out.update(_against_vllm_pd(variants[ours], variants[theirs], ours, theirs))
     return out
 
 
-def _against_vllm_pd(sv: dict[str, Any], pd: dict[str, Any]) -> dict[str, Any]:
-    """#25's budget on multi-turn: stack-vllm caches a larger share of its prompt
-    tokens than vllm-pd (rounds >= 2; the two tokenize their answers differently, so
-    shares, not counts) and its TTFT p50 is below vllm-pd's. Each share is its own
-    variant's figure; the comparisons read ``NOT_COMPARABLE`` unless the two are one run."""
+def _against_vllm_pd(
+    sv: dict[str, Any], pd: dict[str, Any], ours: str = "stack-vllm", theirs: str = "vllm-pd"
+) -> dict[str, Any]:
+    """#25's budget on multi-turn: our stack (``ours``: stack-vllm, 2 prefill + 1 decode,
+    or stack-vllm-1p1d, engine for engine vLLM's P/D) caches a larger share of its
+    prompt tokens than vLLM's P/D (``theirs``: vllm-pd or vllm-pd-shipped; rounds >= 2;
+    the two tokenize their answers differently, so shares, not counts) and its TTFT
+    p50 is below. Each share is its own variant's figure; the comparisons read
+    ``NOT_COMPARABLE`` unless the two are one run."""
     from bench.provenance import judged, variants_same_run
 
+    a_key, b_key = ours.replace("-", "_"), theirs.replace("-", "_")
     shares = [v["cached_tokens_per_request"] / v["prompt_tokens_per_request"] for v in (sv, pd)]
     a, b = sv.get("ttft_p50_ms"), pd.get("ttft_p50_ms")
     compared = {
-        "stack_vllm_cached_above_vllm_pd": shares[0] > shares[1],
-        "stack_vllm_ttft_p50_vs_vllm_pd": a / b if a and b else None,
-        "stack_vllm_ttft_below_vllm_pd": bool(a and b and a < b),
+        "%s_cached_above_%s" % (a_key, b_key): shares[0] > shares[1],
+        "%s_ttft_p50_vs_%s" % (a_key, b_key): a / b if a and b else None,
+        "%s_ttft_below_%s" % (a_key, b_key): bool(a and b and a < b),
+    }
+    return {
+        "%s_cached_share" % a_key: shares[0],
+        "%s_cached_share" % b_key: shares[1],
+        **judged(variants_same_run([sv, pd]), compared),
     }
     return {
         "stack_vllm_cached_share": shares[0],

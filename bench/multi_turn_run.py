@@ -296,15 +296,24 @@ def run_conversations(
 
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
-VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
-#: our stack on the vLLM engine (2 prefill + 1 decode), with answer checkpoints and without
-STACK_VLLM = ("stack-vllm", "stack-vllm-prompt-only")
+VLLM_VARIANTS = ("vllm-direct", "vllm-pd", "vllm-pd-shipped")
+#: our stack on the vLLM engine (2 prefill + 1 decode), with answer checkpoints and
+#: without, and with one prefill engine (``stack-vllm-1p1d``: engine for engine what
+#: vllm-pd runs, the control for the second prefill engine)
+STACK_VLLM = ("stack-vllm", "stack-vllm-prompt-only", "stack-vllm-1p1d")
 STACK_VLLM_ARGS = (
     *("--engine", "vllm", "--model", "tiny", "--num-prefill", "2", "--num-decode", "1"),
     *("--max-model-len", "8192", "--max-num-batched-tokens", "8192"),
 )
 #: the variants in the order the JSON and tables list them
 ORDER = (*VARIANTS, *(v for v in (*VLLM_VARIANTS, *STACK_VLLM) if v not in VARIANTS))
+
+
+def _one_prefill(args: tuple[str, ...]) -> list[str]:
+    """``args`` with one prefill actor."""
+    out = list(args)
+    out[out.index("--num-prefill") + 1] = "1"
+    return out
 
 
 def variants(w: Workload) -> dict[str, list[str]]:
@@ -316,7 +325,9 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
         "vllm-pd": [],
+        "vllm-pd-shipped": [],
         "stack-vllm": [*common[:2], *STACK_VLLM_ARGS, "--answer-checkpoints"],
+        "stack-vllm-1p1d": [*common[:2], *_one_prefill(STACK_VLLM_ARGS), "--answer-checkpoints"],
         "stack-vllm-prompt-only": [*common[:2], *STACK_VLLM_ARGS, "--no-answer-checkpoints"],
     }
 
@@ -346,8 +357,12 @@ def _run_vllm(name: str, plan: Plan, w: Workload, tmp: Path) -> dict[str, Any]:
     venv = vllm_venv()
     if venv is None:
         raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
-    server = VllmServer if name == "vllm-direct" else VllmPd
-    with server(venv, tmp, w.unit, 8192) as srv:
+    srv: VllmServer | VllmPd = (
+        VllmServer(venv, tmp, w.unit, 8192)
+        if name == "vllm-direct"
+        else VllmPd(venv, tmp, w.unit, 8192, nixl_progress_thread=name != "vllm-pd")
+    )
+    with srv:
 
         def tokenize(body: dict[str, Any]) -> list[int]:
             resp = httpx.post(srv.http + "/tokenize", json={"model": "tiny", **body}, timeout=60)

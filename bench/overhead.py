@@ -7,7 +7,9 @@ In one run, the same native engine and the same requests (distinct random
 token prompts, so no cache hits; greedy; ``ignore_eos``):
 
 * ``engine``: the engine driven in this process (no Ray, no router), with
-  the torch thread count the actors run with; TTFT is ``add_request`` to the
+  as many torch threads as the stack's engines have together (``ENGINE_THREADS``:
+  one prefill and one decode actor of ``ACTOR_THREADS`` each), so both sides
+  compute on the same resources at every concurrency; TTFT is ``add_request`` to the
   step that returned the first token; each step's output for a request is
   one chunk;
 * ``stack``: ``hybridpd up`` with one prefill and one decode actor, driven
@@ -71,6 +73,10 @@ from launch.stack_process import StackProcess
 
 #: torch threads in an actor: Ray gives an actor with num_cpus=0 OMP_NUM_THREADS=1
 ACTOR_THREADS = 1
+#: the stack's engines: one prefill and one decode actor
+STACK_ENGINES = 2
+#: the engine side's torch threads: the stack's engines' together (equal resources)
+ENGINE_THREADS = ACTOR_THREADS * STACK_ENGINES
 TTFT_BUDGET_MS = 25.0
 ITL_RATIO_BUDGET = 1.3
 TPOT_RATIO_BUDGET = 1.3
@@ -103,7 +109,7 @@ class EngineSide:
         from hybridpd.engine.native.engine import NativeEngine
         from hybridpd.models.bundled import resolve_model_dir
 
-        torch.set_num_threads(ACTOR_THREADS)
+        torch.set_num_threads(ENGINE_THREADS)
         cfg = load_config(overrides={"max_model_len": max_model_len, "model": model})
         self.engine = NativeEngine(cfg, resolve_model_dir(cfg.model))
         self.n = 0
@@ -267,6 +273,8 @@ def run(
             "batches_per_level": batches,
             "concurrency": list(LEVELS),
             "actor_torch_threads": ACTOR_THREADS,
+            "stack_engine_threads": ACTOR_THREADS * STACK_ENGINES,
+            "engine_torch_threads": ENGINE_THREADS,
             "cpu_count": os.cpu_count(),
         },
         "quick": quick,
@@ -329,6 +337,11 @@ def markdown(out: dict[str, Any]) -> str:
     if legacy:
         return legacy
     w = out["workload"]
+    # a file from before the engine side matched the stack: one actor's threads there
+    threads = {
+        "engine": w.get("engine_torch_threads", w.get("actor_torch_threads", ACTOR_THREADS)),
+        "stack": w.get("stack_engine_threads", w.get("actor_torch_threads", ACTOR_THREADS) * STACK_ENGINES),
+    }
     rows = [
         "%s of %d batches per concurrency level and side (%s, %d prompt tokens, %d output tokens)."
         % (
@@ -339,6 +352,8 @@ def markdown(out: dict[str, Any]) -> str:
             w["output_tokens"],
         ),
         "ITL per token as received (a k-token chunk: one gap, then k - 1 zeros); TPOT per request.",
+        "Torch threads: the engine side %d, the stack's engines %d together (%s)."
+        % (threads["engine"], threads["stack"], "equal" if threads["engine"] == threads["stack"] else "**not equal**"),
         "",
         "| side | concurrency | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | TPOT p99 ms"
         " | tokens per chunk | output tok/s |",

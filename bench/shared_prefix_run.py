@@ -237,7 +237,10 @@ ROUTERS_VARIANT = "branch-aware-4routers"
 ROUTERS = 4
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)
-VLLM_VARIANTS = ("vllm-direct", "vllm-pd")
+VLLM_VARIANTS = ("vllm-direct", "vllm-pd", "vllm-pd-shipped")
+#: vLLM's own P/D as measured against: with NIXL's progress thread off (``vllm-pd``,
+#: bench/vllm_pd.py says why) and as vLLM ships it (``vllm-pd-shipped``)
+PD_BASELINES = ("vllm-pd", "vllm-pd-shipped")
 #: stack-vllm with vLLM's ``prefix_cache_retention_interval`` at its scheduler block (640
 #: tokens for the tiny model under STACK_VLLM_ARGS, as vLLM reports when the interval is
 #: not a multiple of it; at or below the block vLLM keeps every chunk end's state: dense)
@@ -283,6 +286,7 @@ def variants(w: Workload) -> dict[str, list[str]]:
         "nocache": [*common, "--no-enable-prefix-caching"],
         "vllm-direct": [],
         "vllm-pd": [],
+        "vllm-pd-shipped": [],
         ROUTERS_VARIANT: [*common, "--checkpoint-policy", "branch-aware"],
         STACK_VLLM: ["--prefix-match-unit", str(w.unit), *STACK_VLLM_ARGS, *common[4:]],
     }
@@ -326,9 +330,13 @@ def _run_vllm(name: str, plan: Sequence[PlannedRequest], w: Workload, tmp: Path)
     venv = vllm_venv()
     if venv is None:
         raise FileNotFoundError("no vLLM environment (make bootstrap-vllm)")
-    server = VllmServer if name == "vllm-direct" else VllmPd
-    how = "%s(shared_prefix_checkpoint=True)" % server.__name__
-    with server(venv, tmp, w.unit, 4096, shared_prefix_checkpoint=True) as srv:
+    how = "%s(shared_prefix_checkpoint=True)" % ("VllmServer" if name == "vllm-direct" else "VllmPd")
+    srv: VllmServer | VllmPd = (
+        VllmServer(venv, tmp, w.unit, 4096, shared_prefix_checkpoint=True)
+        if name == "vllm-direct"
+        else VllmPd(venv, tmp, w.unit, 4096, shared_prefix_checkpoint=True, nixl_progress_thread=name != "vllm-pd")
+    )
+    with srv:
 
         def encode(msgs: Messages) -> list[int]:  # vLLM's own chat template and tokenizer
             body = {"model": "tiny", "messages": [{"role": r, "content": c} for r, c in msgs]}
@@ -461,33 +469,34 @@ def plan_ttft_p50(variant: dict[str, Any]) -> float | None:
 def _ttft_checks(results: dict[str, Any]) -> dict[str, Any]:
     """#25's budgets: ``stack-vllm`` (2 prefill + 1 decode) and, where they ran,
     ``stack-vllm-1p1d`` (engine for engine vllm-pd's two), ``stack-vllm-no-tail-stage``
-    and ``stack-vllm-no-store`` against ``vllm-pd``: the TTFT p50 ratio per phase (medians of the repeats) and the
-    phases where ours is not below; over the whole plan (``plan_ttft_p50``: the
-    workload's TTFT p50); and the phases where ours caches no more (counted requests).
-    Each stack's checks read ``NOT_COMPARABLE`` unless it and vllm-pd are one run."""
-    if "vllm-pd" not in results:
-        return {}
-    pd = results["vllm-pd"]["phases"]
-    pd_plan = plan_ttft_p50(results["vllm-pd"])
+    and ``stack-vllm-no-store`` against each of ``PD_BASELINES`` that ran: the TTFT p50
+    ratio per phase (medians of the repeats) and the phases where ours is not below;
+    over the whole plan (``plan_ttft_p50``: the workload's TTFT p50); and the phases
+    where ours caches no more (counted requests).
+    Each stack's checks read ``NOT_COMPARABLE`` unless it and that baseline are one run."""
     out: dict[str, Any] = {}
-    for name in (STACK_VLLM, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL, STACK_VLLM_NO_STORE):
-        if name not in results:
-            continue
-        key = name.replace("-", "_")
-        ours = results[name]["phases"]
-        one: dict[str, Any] = {}
-        one[key + "_cached_not_above_vllm_pd"] = sorted(
-            p for p, x in ours.items() if p in pd and not x.get("cached_tokens", 0) > pd[p].get("cached_tokens", 0)
-        )
-        ratios = {p: x["ttft_p50_ms"] / pd[p]["ttft_p50_ms"] for p, x in ours.items() if p in pd}
-        one[key + "_ttft_p50_vs_vllm_pd"] = {p: round(r, 3) for p, r in ratios.items()}
-        one[key + "_ttft_not_below_vllm_pd"] = sorted(p for p, r in ratios.items() if not r < 1.0)
-        one[key + "_ttft_below_vllm_pd"] = not one[key + "_ttft_not_below_vllm_pd"]
-        plan = plan_ttft_p50(results[name])
-        if plan is not None and pd_plan:
-            one[key + "_plan_ttft_p50_vs_vllm_pd"] = round(plan / pd_plan, 3)
-            one[key + "_plan_ttft_below_vllm_pd"] = plan < pd_plan
-        out.update(judged(variants_same_run([results[name], results["vllm-pd"]]), one))
+    for base in (b for b in PD_BASELINES if b in results):
+        pd = results[base]["phases"]
+        pd_plan = plan_ttft_p50(results[base])
+        vs = base.replace("-", "_")
+        for name in (STACK_VLLM, STACK_VLLM_1P1D, STACK_VLLM_NO_TAIL, STACK_VLLM_NO_STORE):
+            if name not in results:
+                continue
+            key = name.replace("-", "_")
+            ours = results[name]["phases"]
+            one: dict[str, Any] = {}
+            one["%s_cached_not_above_%s" % (key, vs)] = sorted(
+                p for p, x in ours.items() if p in pd and not x.get("cached_tokens", 0) > pd[p].get("cached_tokens", 0)
+            )
+            ratios = {p: x["ttft_p50_ms"] / pd[p]["ttft_p50_ms"] for p, x in ours.items() if p in pd}
+            one["%s_ttft_p50_vs_%s" % (key, vs)] = {p: round(r, 3) for p, r in ratios.items()}
+            one["%s_ttft_not_below_%s" % (key, vs)] = sorted(p for p, r in ratios.items() if not r < 1.0)
+            one["%s_ttft_below_%s" % (key, vs)] = not one["%s_ttft_not_below_%s" % (key, vs)]
+            plan = plan_ttft_p50(results[name])
+            if plan is not None and pd_plan:
+                one["%s_plan_ttft_p50_vs_%s" % (key, vs)] = round(plan / pd_plan, 3)
+                one["%s_plan_ttft_below_%s" % (key, vs)] = plan < pd_plan
+            out.update(judged(variants_same_run([results[name], results[base]]), one))
     return out
 
 

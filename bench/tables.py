@@ -65,7 +65,7 @@ COMPARISONS = re.compile(
     r"|placement_(worse_than_off|no_worse_ok)"
     r"|stack_vllm_(not_above|above_vllm)(_or_ideal)?"
     r"|retention_\w+"
-    r"|(?!vllm_pd_cached_share$)\w*vllm_pd\w*"
+    r"|(?!vllm_pd(_shipped)?_cached_share$)\w*vllm_pd\w*"
     r"|answers_cached_outputs_equal_nocache"
     r"|stack_vllm_ttft_(ratio|ok)|done_when"
     r"|batch_\d+_not_lower)$"

@@ -17,7 +17,13 @@ as an outside user would, against:
   model with ``stack-vllm``;
 * ``vllm-pd``: vLLM's own prefill/decode disaggregation of the same model (a
   prefill and a decode ``vllm serve`` with the same flags over NixlConnector,
-  and a proxy: bench/vllm_pd.py): what users would run instead of our P/D.
+  and a proxy: bench/vllm_pd.py), with NIXL's progress thread off (the module
+  doc of bench/vllm_pd.py says why): what users would run instead of our P/D;
+* ``vllm-pd-shipped``: the same with NIXL's settings as vLLM ships them
+  (progress thread on).
+
+Every vLLM server gets the KV space our vLLM engine gets by default
+(``bench.vllm_direct.KV_CACHE_GIB``).
 
 Workloads: ``random`` (1,024 prompt tokens, 32 output tokens, ``--ignore-eos``)
 at concurrency 1 and 4, and ``prefix_repetition`` (4 prefixes of 2,000
@@ -71,7 +77,7 @@ WORKLOADS: dict[str, tuple[list[str], int]] = {
 #: item 5 of #25: our P/D against vLLM's own, engine for engine, on the random workloads
 #: (the medians over the repeats): TTFT p50 and ITL p50 at most these multiples
 PD_BUDGETS = {"median_ttft_ms": 1.15, "median_itl_ms": 1.1}
-OURS_PD, THEIRS_PD = "stack-vllm-1p1d", "vllm-pd"
+OURS_PD, THEIRS_PD = "stack-vllm-1p1d", ("vllm-pd", "vllm-pd-shipped")
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput", "completed")
 
 
@@ -147,21 +153,29 @@ def stage_means(before: dict[str, tuple[float, float]], after: dict[str, tuple[f
 
 
 def pd_checks(variants: dict[str, Any], workloads: list[str]) -> dict[str, Any]:
-    """``stack-vllm-1p1d`` against ``vllm-pd`` on every random workload, judged on the
-    medians over the repeats (``PD_BUDGETS``); empty unless both ran."""
-    if OURS_PD not in variants or THEIRS_PD not in variants:
+    """``stack-vllm-1p1d`` against each of ``vllm-pd`` and ``vllm-pd-shipped`` that ran,
+    on every random workload, judged on the medians over the repeats (``PD_BUDGETS``);
+    empty unless ours and one of them ran. A pair's checks read ``NOT_COMPARABLE``
+    unless the two are one run (``bench.provenance.same_run``)."""
+    from bench.provenance import judged, variants_same_run
+
+    if OURS_PD not in variants or not any(t in variants for t in THEIRS_PD):
         return {}
     out: dict[str, Any] = {"budgets": dict(PD_BUDGETS)}
-    for name in (w for w in workloads if w.startswith("random")):
-        for key, budget in PD_BUDGETS.items():
-            ours, theirs = variants[OURS_PD][name].get(key), variants[THEIRS_PD][name].get(key)
-            label = "%s_%s_vs_vllm_pd" % (name, key.removeprefix("median_").replace("_ms", "_p50"))
-            if not ours or not theirs:
-                out[label] = None
-                out[label + "_ok"] = False
-                continue
-            out[label] = round(float(ours) / float(theirs), 3)
-            out[label + "_ok"] = out[label] <= budget
+    for theirs_name in (t for t in THEIRS_PD if t in variants):
+        suffix = theirs_name.replace("-", "_")
+        pair: dict[str, Any] = {}
+        for name in (w for w in workloads if w.startswith("random")):
+            for key, budget in PD_BUDGETS.items():
+                ours, theirs = variants[OURS_PD][name].get(key), variants[theirs_name][name].get(key)
+                label = "%s_%s_vs_%s" % (name, key.removeprefix("median_").replace("_ms", "_p50"), suffix)
+                if not ours or not theirs:
+                    pair[label] = None
+                    pair[label + "_ok"] = False
+                    continue
+                pair[label] = round(float(ours) / float(theirs), 3)
+                pair[label + "_ok"] = pair[label] <= budget
+        out.update(judged(variants_same_run([variants[OURS_PD], variants[theirs_name]]), pair))
     return out
 
 
@@ -196,6 +210,7 @@ def run(json_path: Path, quick: bool, repeats: int = 3, only: tuple[str, ...] = 
             ),
             "vllm-direct": lambda: VllmServer(venv, Path(tmp), 16, 4096),
             "vllm-pd": lambda: VllmPd(venv, Path(tmp), 16, 4096),
+            "vllm-pd-shipped": lambda: VllmPd(venv, Path(tmp), 16, 4096, nixl_progress_thread=True),
         }
         unknown = set(only) - set(targets)
         if unknown:

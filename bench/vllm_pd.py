@@ -97,7 +97,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from bench.vllm_direct import VllmServer, interrupt, log_tail, tiny_model
+from bench.vllm_direct import KV_CACHE_GIB, VllmServer, interrupt, log_tail, tiny_model
 from hybridpd.errors import UnavailableError
 from hybridpd.procs import free_port, listen_ports, split_cpus
 
@@ -351,12 +351,13 @@ class VllmPd:
         """One line on the setup, for a benchmark's JSON."""
         return (
             "vLLM's own P/D: a prefill and a decode vllm serve (bench/vllm_direct.py serve_argv +"
-            " --kv-transfer-config %s; OpenMP on CPUs %s and %s), NIXL progress thread %s, and a proxy"
-            " (bench/vllm_pd.py)"
+            " --kv-transfer-config %s; OpenMP on CPUs %s and %s; KV space %s GiB each), NIXL progress thread %s,"
+            " and a proxy (bench/vllm_pd.py)"
             % (
                 json.dumps(KV_TRANSFER_CONFIG),
                 list(self.cpus[0]),
                 list(self.cpus[1]),
+                os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB)),
                 "on (as vLLM ships)" if self.nixl_progress_thread else "off",
             )
         )

@@ -341,3 +341,20 @@ def test_kept_tokens_by_the_router_s_tokenizer() -> None:
 def _without_kept(variant: dict) -> dict:
     one = variant["repeats"][0]
     return {**one, "requests": [{k: x for k, x in r.items() if k != "previous_answer_kept"} for r in one["requests"]]}
+
+
+def test_the_one_prefill_control_and_vllms_shipped_pd_are_variants() -> None:
+    """#52: multi-turn has a 1-prefill control of stack-vllm, and vLLM's P/D as it ships."""
+    from bench.multi_turn import Workload, _against_vllm_pd
+    from bench.multi_turn_run import ORDER, variants
+
+    args = variants(Workload())
+    one, two = args["stack-vllm-1p1d"], args["stack-vllm"]
+    assert one[one.index("--num-prefill") + 1] == "1" and two[two.index("--num-prefill") + 1] == "2"
+    i = one.index("--num-prefill") + 1
+    assert one[:i] + one[i + 1 :] == two[:i] + two[i + 1 :]  # nothing else differs
+    assert {"stack-vllm-1p1d", "vllm-pd-shipped"} <= set(ORDER)
+    v = {"ttft_p50_ms": 50.0, "cached_tokens_per_request": 8.0, "prompt_tokens_per_request": 10.0, "provenance": []}
+    got = _against_vllm_pd(v, dict(v, ttft_p50_ms=100.0), "stack-vllm-1p1d", "vllm-pd-shipped")
+    assert got["stack_vllm_1p1d_cached_share"] == 0.8 and got["vllm_pd_shipped_cached_share"] == 0.8
+    assert got["stack_vllm_1p1d_ttft_p50_vs_vllm_pd_shipped"] == "not comparable"  # no provenance: no verdict
