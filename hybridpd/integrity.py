@@ -3,7 +3,7 @@
 What hybridpd writes for itself and reads back from a place others can reach
 carries a tag made with the deployment's key: store objects
 (``store/objects.py``: name, header and payload), NIXL handoff descriptors
-(``transfer/nixl_handoff.py``: where to read, shapes, checksums and the
+(``transfer/handoff_descriptor.py``: where to read, shapes, checksums and the
 ticket's metadata) and decode's token frames to the router
 (``services/worker/token_channel.py``: request id, sequence number, tokens).
 A checksum (xxh3) stops accidents; a tag stops a peer that can reach the store

@@ -1,4 +1,3 @@
-# Over 350 lines: both ends of one transfer protocol (offer, tag, read, verify, release, expiry) in one place.
 """NIXL handoff: prefill offers buffers, decode READs them, verifies, notifies.
 
 Lifecycle of one handoff::
@@ -11,27 +10,16 @@ Lifecycle of one handoff::
              "release:<id>" -> tensors
     prefill: on "release:<id>" or at expiry: scrub (zero) and deregister.
 
-Chunks: a buffer offered with ``chunk_rows = r`` is checksummed in chunks of
-``r`` rows (dim 0), and a reader may skip any chunk it holds already (a decode
-engine skips the KV blocks its prefix cache has: a *delta* handoff). A READ
-moves only the byte ranges it keeps (consecutive chunks as one range); the
-skipped rows of the returned tensors are left uninitialised.
+Chunks and the keyed tag: ``handoff_descriptor.py``. A reader may skip the
+chunks it holds (a *delta* handoff; the skipped rows of the returned tensors
+are left uninitialised); the tag is checked before the remote agent is
+touched (``TagError`` for a descriptor not offered with this deployment's key).
 
 A decode that comes after the expiry gets ``HandoffError`` (checked before
 reading; and since expired buffers are zeroed before they are released, a
 read that races the expiry fails verification instead of returning stale
 bytes). Corrupted bytes raise ``IntegrityError`` and are never returned.
 
-Keyed tag: the descriptor carries an HMAC-SHA256 tag (the deployment key's
-handoff subkey, ``hybridpd/integrity.py``) of every field that says what to
-read and from whom (agent name and metadata, addresses, shapes, sizes, every
-checksum, expiry) and of the caller's ``context`` (the engine's ticket
-metadata: request id, first token, buffer metas, block hashes). Decode checks
-it before it touches the remote agent: a descriptor not offered with this
-deployment's key, or changed on the way, raises
-:class:`~hybridpd.integrity.TagError` (an ``IntegrityError``) and is never
-read. The bytes themselves are checked by their xxh3 checksums, which the tag
-covers.
 DRAM on CPU (UCX, cross-memory-attach on loopback); VRAM for CUDA tensors.
 
 Progress: the agents run without NIXL's UCX progress thread (the Python API
@@ -45,10 +33,7 @@ next ``offer()``. An idle server makes no calls at all.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import struct
 import threading
 import time
 import uuid
@@ -59,100 +44,18 @@ from typing import Any
 import torch
 import xxhash
 
-from hybridpd.errors import HybridPDError, IntegrityError
-from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey, Tagger
+from hybridpd.errors import IntegrityError
+from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey
 from hybridpd.store.objects import DTYPES, raw_bytes
+from hybridpd.transfer.handoff_descriptor import (
+    BufferSpec,
+    HandoffDescriptor,
+    HandoffError,
+    check_descriptor,
+    tag_descriptor,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class HandoffError(HybridPDError):
-    """The handoff cannot be read (expired, freed, or the transfer failed)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BufferSpec:
-    """One offered buffer: its shape, where it lives on the prefill side, and its
-    checksum (``xxh3``, whole buffer) or its chunks' (``chunk_xxh3``, one per
-    ``chunk_rows`` rows; ``xxh3`` is then empty)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-    xxh3: str
-    addr: int = 0
-    dev_id: int = 0
-    chunk_rows: int = 0
-    chunk_xxh3: tuple[str, ...] = ()
-
-    @property
-    def row_bytes(self) -> int:
-        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
-
-    def chunk_range(self, c: int) -> tuple[int, int]:
-        """Byte range ``[start, end)`` of chunk ``c`` in the buffer."""
-        r = self.chunk_rows
-        return c * r * self.row_bytes, min((c + 1) * r * self.row_bytes, self.nbytes)
-
-    def kept_ranges(self, skip: frozenset[int]) -> list[tuple[int, int]]:
-        """The byte ranges a reader skipping chunks ``skip`` moves (merged)."""
-        if not self.chunk_rows:
-            return [(0, self.nbytes)] if self.nbytes else []
-        out: list[tuple[int, int]] = []
-        for c in range(len(self.chunk_xxh3)):
-            if c in skip:
-                continue
-            a, b = self.chunk_range(c)
-            if out and out[-1][1] == a:
-                out[-1] = (out[-1][0], b)
-            else:
-                out.append((a, b))
-        return out
-
-
-@dataclass(frozen=True, slots=True)
-class HandoffDescriptor:
-    """Everything decode needs to read one handoff (plain data, no pickles)."""
-
-    handoff_id: str
-    agent_name: str
-    agent_metadata: bytes
-    mem_type: str  # "DRAM" or "VRAM"
-    buffers: tuple[BufferSpec, ...]
-    expires_at: float  # wall clock (time.time())
-    #: keyed tag of the fields above and the offer's context (:func:`tag_descriptor`)
-    tag: bytes = b""
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buffers)
-
-    def read_bytes(self, skip_chunks: frozenset[int] = frozenset()) -> int:
-        """Bytes a fetch skipping ``skip_chunks`` moves."""
-        return sum(b - a for spec in self.buffers for a, b in spec.kept_ranges(skip_chunks))
-
-
-def _signed(desc: HandoffDescriptor, context: bytes) -> tuple[bytes, ...]:
-    """What a descriptor's tag covers: every field but the tag, then ``context``
-    (lengths first, so no two different inputs concatenate alike)."""
-    specs = [
-        [list(b.shape), b.dtype, b.nbytes, b.xxh3, b.addr, b.dev_id, b.chunk_rows, list(b.chunk_xxh3)]
-        for b in desc.buffers
-    ]
-    body = json.dumps(
-        [desc.handoff_id, desc.agent_name, desc.mem_type, desc.expires_at, specs], separators=(",", ":")
-    ).encode()
-    return struct.pack("<QQQ", len(body), len(desc.agent_metadata), len(context)), body, desc.agent_metadata, context
-
-
-def tag_descriptor(desc: HandoffDescriptor, tagger: Tagger, context: bytes = b"") -> HandoffDescriptor:
-    """``desc`` with its keyed tag over its fields and ``context``."""
-    return dataclasses.replace(desc, tag=tagger.tag(*_signed(desc, context)))
-
-
-def check_descriptor(desc: HandoffDescriptor, tagger: Tagger, context: bytes = b"") -> None:
-    """TagError unless ``desc``'s tag is this key's over its fields and ``context``."""
-    tagger.check(desc.tag, *_signed(desc, context), what="handoff %s" % desc.handoff_id)
 
 
 def _digest(t: torch.Tensor) -> str:

@@ -45,7 +45,7 @@ from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.integrity import block_hash_seed
 from hybridpd.placement import place, worth_a_step
-from hybridpd.transfer.nixl_handoff import HandoffError
+from hybridpd.transfer.handoff_descriptor import HandoffError
 from services.router.admission import Deadline
 from services.router.metrics import RouterMetrics
 from services.router.routing import (

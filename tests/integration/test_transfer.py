@@ -17,7 +17,8 @@ import torch
 
 from hybridpd.errors import IntegrityError
 from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey, TagError
-from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffError, tag_descriptor
+from hybridpd.transfer.handoff_descriptor import HandoffError, tag_descriptor
+from hybridpd.transfer.nixl_handoff import HandoffClient
 from tests.integration.store_worker import nixl_offer_worker, nixl_server_worker
 from tests.wait import Pending, wait_until
 

@@ -24,7 +24,7 @@ from hybridpd.engine.base import (
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.handoff import FetchedHandoff, NativeTicket
 from hybridpd.errors import IntegrityError, InvalidRequestError, OverloadedError
-from hybridpd.transfer.nixl_handoff import HandoffError
+from hybridpd.transfer.handoff_descriptor import HandoffError
 from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
 
 TOKENS = prompt(70, 5)

@@ -33,7 +33,7 @@ from hybridpd.integrity import (
 )
 from hybridpd.store import objects
 from hybridpd.store.client import BadObjectError
-from hybridpd.transfer.nixl_handoff import BufferSpec, HandoffDescriptor, check_descriptor, tag_descriptor
+from hybridpd.transfer.handoff_descriptor import BufferSpec, HandoffDescriptor, check_descriptor, tag_descriptor
 from launch.cli import cli
 from services.decode.actor import DecodeWorker
 from services.prefill.actor import PrefillWorker

@@ -23,7 +23,7 @@ from hybridpd.errors import (
     OverloadedError,
     UnavailableError,
 )
-from hybridpd.transfer.nixl_handoff import HandoffError
+from hybridpd.transfer.handoff_descriptor import HandoffError
 from hybridpd.validation import validate_request
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator

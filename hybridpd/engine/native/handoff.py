@@ -60,7 +60,8 @@ from hybridpd.engine.base import (
 from hybridpd.errors import IntegrityError
 from hybridpd.hashing import BlockHash
 from hybridpd.integrity import HANDOFF, PUBLIC, IntegrityKey
-from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffDescriptor, HandoffServer, tag_descriptor
+from hybridpd.transfer.handoff_descriptor import HandoffDescriptor, tag_descriptor
+from hybridpd.transfer.nixl_handoff import HandoffClient, HandoffServer
 
 logger = logging.getLogger(__name__)
 
