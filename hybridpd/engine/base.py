@@ -44,13 +44,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType, Protocol, runtime_checkable
-
-import torch
+from typing import TYPE_CHECKING, NewType, Protocol, runtime_checkable
 
 from hybridpd.checkpoint_value import ComputeModel
 from hybridpd.engine.sampling import SamplingParams, StructuredOutput, TokenLogprobs
 from hybridpd.hashing import BlockHash, BlockHasher
+
+if TYPE_CHECKING:  # NOTE: only the type: the router imports this module and must not load torch
+    import torch
 
 __all__ = ["SamplingParams", "StructuredOutput", "TokenLogprobs"]  # re-exported: the boundary's types
 
