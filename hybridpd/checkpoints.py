@@ -1,4 +1,3 @@
-# Over 350 lines: the checkpoint protocol's rules in one place, each with its worked doctest.
 """The checkpoint protocol: the single source of where recurrent state is
 exported, promised, looked up and restored (mirrors vLLM PR #53614).
 
@@ -9,7 +8,9 @@ model computes for the request.
 
 One set of functions serves the scheduler, the kernel-metadata builder, the
 router and the index publisher, so a checkpoint is promised only where it is
-written.
+written. Prefixes prefilled to leave a checkpoint (vLLM) follow these rules in
+``checkpoint_stages.py``; why a routed prompt's tokens missed, in
+``prefix_outcomes.py``.
 
 State slot columns (vLLM "align" mode)::
 
@@ -235,79 +236,6 @@ def requested_checkpoints(
     return tuple(sorted(kept)[-max_extra:])
 
 
-def stage_length(position: int, unit: int, drop_eagle_block: bool) -> int:
-    """The prompt prefix whose tail checkpoint is ``position`` (a multiple of
-    ``unit``) under both tail rules, ours (:func:`checkpoint_position`) and
-    vLLM 0.32's (``get_mamba_prefill_checkpoint_position``: ``N // u * u - u``
-    under EAGLE): one token past it, with EAGLE one unit and one token past it
-    (so the attention entry a later EAGLE hit drops from is ``position + u``).
-
-    >>> stage_length(96, 16, False), stage_length(96, 16, True)
-    (97, 113)
-    >>> checkpoint_position(97, 16, False), checkpoint_position(113, 16, True), 113 // 16 * 16 - 16
-    (96, 96, 96)
-    """
-    return position + 1 + (unit if drop_eagle_block else 0)
-
-
-def staged_checkpoints(
-    requested: Sequence[int],
-    num_tokens: int,
-    unit: int,
-    drop_eagle_block: bool,
-    max_extra: int = MAX_REQUESTED_CHECKPOINTS,
-    placed: Sequence[int] = (),
-) -> tuple[tuple[int, int], ...]:
-    """For an engine that keeps a partial-prefix state only at a prompt's tail
-    (vLLM): the ``(position, prefix length)`` prefills that leave the extra
-    checkpoints ``requested`` asks for, ascending, run one after another before
-    the prompt itself (``num_tokens``: the tokens that prefill computes).
-
-    Each junction ``r`` becomes :func:`junction_position` (the checkpoint a later
-    request sharing ``[0, r)`` hits), kept iff above 0 and below the prompt's own
-    tail; duplicates collapse; of more than ``max_extra`` the deepest are kept.
-    The prefix length is :func:`stage_length`. No alignment or slot-column rule
-    applies: each prefix is a prompt of its own, whose tail vLLM writes itself.
-    ``placed`` (the router's placement: checkpoint positions, not junctions) are
-    staged as they are, those that are unit multiples below the tail, besides
-    the ``max_extra`` requested ones.
-
-    >>> staged_checkpoints([20, 41, 90], 100, 8, False)
-    ((16, 17), (40, 41), (88, 89))
-    >>> staged_checkpoints([20, 41, 90, 99], 100, 8, True)
-    ((8, 17), (32, 41), (80, 89))
-    >>> staged_checkpoints([5, 1000, 1500], 1600, 16, False, max_extra=1)
-    ((1488, 1489),)
-    >>> staged_checkpoints([90], 100, 8, True, placed=[40, 44, 96])
-    ((40, 49), (80, 89))
-    """
-    tail = checkpoint_position(num_tokens, unit, drop_eagle_block)
-    kept = {junction_position(min(max(r, 0), num_tokens), unit, drop_eagle_block) for r in requested}
-    chosen = set(sorted(p for p in kept if 0 < p < tail)[-max_extra:] if max_extra > 0 else ())
-    chosen |= {p for p in placed if 0 < p < tail and p % unit == 0}
-    return tuple((p, stage_length(p, unit, drop_eagle_block)) for p in sorted(chosen))
-
-
-def truncated_tail_stage(num_tokens: int, computed: int, unit: int, drop_eagle_block: bool) -> tuple[int, int] | None:
-    """A prompt of ``num_tokens`` whose prefill computes only ``computed`` of them
-    (vLLM's P/D prefill: decode recomputes the rest) leaves its tail at
-    ``checkpoint_position(computed)``, a unit below one engine's when
-    ``computed`` crosses a unit boundary (``num_tokens = k u + 1``, one token of
-    backoff). The ``(position, prefix length)`` to stage so the prompt's own
-    tail exists, as one engine would leave it for a next turn that extends the
-    prompt; None when the truncated tail is already there.
-
-    >>> truncated_tail_stage(97, 96, 16, False), truncated_tail_stage(98, 97, 16, False)
-    ((96, 97), None)
-    >>> truncated_tail_stage(97, 96, 16, True)
-    (80, 97)
-    """
-    full = checkpoint_position(num_tokens, unit, drop_eagle_block)
-    if full <= checkpoint_position(computed, unit, drop_eagle_block):
-        return None
-    return full, stage_length(full, unit, drop_eagle_block)
-
-
 def needs_rekey(position: int, query_end: int, mamba_block_size: int) -> bool:
     """True when the written slot's natural key is not state@``position``."""
     return natural_position(checkpoint_slot_column(query_end, mamba_block_size), mamba_block_size) != position
@@ -389,53 +317,3 @@ def merge_requested(client: Sequence[int], derived: Sequence[int], num_tokens: i
     room = MAX_REQUESTED_CHECKPOINTS - len(keep)
     rest = sorted({p for p in client if 0 < p < num_tokens} - set(keep))
     return tuple(sorted(keep + (rest[len(rest) - room :] if room > 0 else [])))
-
-
-#: how the prompt tokens of a routed request split, in this order from token 0
-#: (``hybridpd_prefix_tokens_total{outcome}``; :func:`prefix_token_split`)
-PREFIX_OUTCOMES = ("hit", "checkpoint_missing", "evicted", "no_shared_prefix", "eagle_replay", "below_unit")
-
-
-def prefix_token_split(
-    num_tokens: int, unit: int, drop_eagle_block: bool, hit: int, known: int, seen: int, backoff: int = 0
-) -> dict[str, int]:
-    """Why a prompt's tokens were (not) restored, as a partition of ``num_tokens``:
-
-    - ``hit``: restored (``hit``, the tokens the prefill did not compute);
-    - ``checkpoint_missing``: past the hit, up to the deepest hit ``known``
-      allows (how far the prompt's attention blocks were cached anywhere, from
-      the index lookup; with EAGLE one unit less, the replay unit): the KV was
-      there, but no state checkpoint at a usable boundary;
-    - ``evicted``: past that, up to the deepest hit ``seen`` allows (how far
-      the router had sent this prefix before): cached once, gone by now;
-    - ``no_shared_prefix``: the rest that a hit could have covered, up to the
-      largest hit the hit rule allows (``(N - 1) // u * u``, one unit less where
-      EAGLE replays);
-    - ``eagle_replay``: that unit (``drop_eagle_block``: a vLLM engine with an
-      EAGLE-family drafter; the router passes ``EngineProfile.eagle_drop_prefill``,
-      false on both engines: a P/D prefill engine runs no drafter);
-    - ``below_unit``: the tokens no hit can cover (the last partial unit, the
-      token the prefill must compute, and the ``backoff`` tokens a prefill does
-      not compute at all: vLLM's P/D prefill stops one token short, so its
-      largest hit is ``(N - 2) // u * u``).
-
-    >>> prefix_token_split(100, 16, False, hit=32, known=64, seen=80)
-    {'hit': 32, 'checkpoint_missing': 32, 'evicted': 16, 'no_shared_prefix': 16, 'eagle_replay': 0, 'below_unit': 4}
-    >>> prefix_token_split(100, 16, True, hit=32, known=64, seen=80)
-    {'hit': 32, 'checkpoint_missing': 16, 'evicted': 16, 'no_shared_prefix': 16, 'eagle_replay': 16, 'below_unit': 4}
-    """
-    drop = unit if drop_eagle_block else 0
-    computed = num_tokens - backoff if num_tokens > backoff else num_tokens
-    full = max((computed - 1) // unit * unit, 0) if computed > 0 else 0
-    cap = max(full - drop, 0)
-    h = min(max(hit, 0), cap)
-    k = min(max(known - drop, h), cap)
-    s = min(max(seen - drop, k), cap)
-    return {
-        "hit": h,
-        "checkpoint_missing": k - h,
-        "evicted": s - k,
-        "no_shared_prefix": cap - s,
-        "eagle_replay": full - cap,
-        "below_unit": num_tokens - full,
-    }

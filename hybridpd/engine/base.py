@@ -75,7 +75,7 @@ class EngineRequest:
     cache_salt: str | None = None
     #: extra checkpoint positions (token counts, ascending) the prefill should
     #: export besides the tail, e.g. junctions; see ``checkpoints.requested_checkpoints``
-    #: (the vLLM engine: ``checkpoints.staged_checkpoints``).
+    #: (the vLLM engine: ``checkpoint_stages.staged_checkpoints``).
     checkpoints: tuple[int, ...] = ()
     #: checkpoint positions the router placed along the prompt (``hybridpd/placement.py``):
     #: snapshotted mid-chunk by the native engine, and held as speculative (``placement_share``)
@@ -309,7 +309,7 @@ class Engine(Protocol):
         tokens leaves the extra checkpoints ``request.checkpoints`` asked for
         (ascending; the tail not among them): the native scheduler's
         ``checkpoints.requested_checkpoints``, vLLM's checkpoint prefixes
-        (``checkpoints.staged_checkpoints``). The router remembers them like the tail."""
+        (``checkpoint_stages.staged_checkpoints``). The router remembers them like the tail."""
         ...
 
     def queued_prompt_tokens(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from hybridpd.checkpoints import PREFIX_OUTCOMES
+from hybridpd.prefix_outcomes import PREFIX_OUTCOMES
 
 # Buckets that fit LLM latencies: 5 ms .. 2 min.
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

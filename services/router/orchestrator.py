@@ -28,12 +28,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
-from hybridpd.checkpoints import prefix_token_split
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, TokenLogprobs
 from hybridpd.errors import EngineError, InvalidRequestError, UnavailableError
 from hybridpd.hashing import BlockHash
 from hybridpd.index.prefix_index import PrefixIndex
+from hybridpd.prefix_outcomes import prefix_token_split
 from hybridpd.tokenizer import TextTokenizer
 from services.router.admission import Admission, Deadline, Ticket
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop

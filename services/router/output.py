@@ -25,7 +25,7 @@ class Usage:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-    #: why the prompt's tokens were (not) restored (``checkpoints.prefix_token_split``);
+    #: why the prompt's tokens were (not) restored (``prefix_outcomes.prefix_token_split``);
     #: None when the request was not looked up in the index
     prefix_tokens: Mapping[str, int] | None = None
     #: the hit the index lookup promised on the instance the request was routed to

@@ -17,9 +17,9 @@ from hybridpd.checkpoints import (
     checkpoint_position,
     extra_slot_column,
     junction_position,
-    prefix_token_split,
     requested_checkpoints,
 )
+from hybridpd.prefix_outcomes import prefix_token_split
 from hybridpd.tokenizer import ChatMessage
 from tests.e2e.conftest import REPLAY, Stack
 from tests.unit.engine_helpers import prompt

@@ -14,15 +14,14 @@ from hypothesis import strategies as st
 
 from hybridpd.checkpoints import (
     MAX_REQUESTED_CHECKPOINTS,
-    PREFIX_OUTCOMES,
     merge_requested,
-    prefix_token_split,
 )
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.hashing import BlockHasher
 from hybridpd.index.prefix_index import LookupResult
 from hybridpd.models.bundled import resolve_model_dir
+from hybridpd.prefix_outcomes import PREFIX_OUTCOMES, prefix_token_split
 from hybridpd.tokenizer import ChatMessage, TextTokenizer
 from hybridpd.validation import validate_checkpoints
 from services.router.dispatch import Dispatcher, Route

@@ -21,9 +21,9 @@ from hybridpd.checkpoints import (
     natural_position,
     needs_rekey,
     planned_checkpoint,
-    prefix_token_split,
     requested_checkpoints,
 )
+from hybridpd.prefix_outcomes import prefix_token_split
 
 # -- worked examples (DESIGN.md) ---------------------------------------------
 
@@ -318,10 +318,13 @@ def test_extra_checkpoints_properties(
 def test_docstring_examples() -> None:
     import doctest
 
+    import hybridpd.checkpoint_stages
     import hybridpd.checkpoints
+    import hybridpd.prefix_outcomes
 
-    res = doctest.testmod(hybridpd.checkpoints)
-    assert res.failed == 0 and res.attempted >= 5
+    for module, examples in ((hybridpd.checkpoints, 5), (hybridpd.checkpoint_stages, 5), (hybridpd.prefix_outcomes, 2)):
+        res = doctest.testmod(module)
+        assert res.failed == 0 and res.attempted >= examples, module.__name__
 
 
 def test_prefix_token_split_with_a_prefill_that_stops_short() -> None:

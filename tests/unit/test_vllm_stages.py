@@ -3,7 +3,7 @@ which request runs next, which hit a prompt reports, and aborts."""
 
 from __future__ import annotations
 
-from hybridpd.checkpoints import staged_checkpoints
+from hybridpd.checkpoint_stages import staged_checkpoints
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.engine.vllm.stages import STAGE_SEPARATOR, Stages
 

@@ -17,7 +17,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridpd.checkpoints import junction_position, staged_checkpoints, truncated_tail_stage
+from hybridpd.checkpoint_stages import staged_checkpoints, truncated_tail_stage
+from hybridpd.checkpoints import junction_position
 from tests.vllm.workers import PdPair, assert_match_reference, run_local, tokens
 
 SHARED, OWN, JUNCTION, UNIT = 1500, 800, 1000, 16

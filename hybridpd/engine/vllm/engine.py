@@ -31,7 +31,7 @@ the model directory, so both sides tokenize identically).
 and ``EngineRequest.placement`` (the router's placed positions)
 become checkpoints by prefilling the prompt's prefixes first, each ending where
 vLLM's tail rule keeps a state (``stages.py``; positions by
-``checkpoints.staged_checkpoints``) on local and prefill engines. vLLM also
+``checkpoint_stages.staged_checkpoints``) on local and prefill engines. vLLM also
 finds junctions itself, in its local cache (``args.shared_prefix_checkpoint``;
 ``VllmEngine.shared_prefix_checkpoint`` says whether its exact-junction option
 is in effect); docs/DESIGN.md section 4, "Checkpoints on the vLLM engine".
@@ -50,8 +50,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hybridpd.checkpoint_stages import staged_checkpoints, truncated_tail_stage
 from hybridpd.checkpoint_value import LINEAR_ONLY
-from hybridpd.checkpoints import checkpoint_position, staged_checkpoints, truncated_tail_stage
+from hybridpd.checkpoints import checkpoint_position
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -425,7 +426,7 @@ class VllmEngine:
         """The ``(position, prefix length)`` prefixes prefilled before ``request``
         so that vLLM keeps a state at each of its extra checkpoints, each past
         ``hit`` (what the prompt finds cached: a prefix below it would recompute
-        what is cached): ``checkpoints.staged_checkpoints`` of the tokens this
+        what is cached): ``checkpoint_stages.staged_checkpoints`` of the tokens this
         engine computes (at most ``max_extra_checkpoints`` requested ones, and the
         router's placement; the prompt's own tail on a P/D prefill, ``_tail_stage``,
         runs in the background after it and is not one of them). None on a decode engine,
@@ -453,7 +454,7 @@ class VllmEngine:
 
     def _tail_stage(self, request: EngineRequest, prefill_only: bool) -> TailStage | None:
         """The background prefix that leaves ``request``'s own tail where its P/D
-        truncation drops it a unit (``checkpoints.truncated_tail_stage``): after the
+        truncation drops it a unit (``checkpoint_stages.truncated_tail_stage``): after the
         prompt it hits the truncated tail and computes ``u + 1`` tokens (an answer
         prefill's terms: only while no foreground request is live, aborted for one
         that arrives). None off a P/D prefill, where vLLM hits whole blocks only, or

@@ -5,7 +5,7 @@ checkpoint, ``MambaManager._cache_partial_tail_block``) and at block
 boundaries; it takes no positions from a request. A checkpoint at a position
 ``p`` the router chose (a junction from the index, a chat boundary, a client's
 ``hybridpd_checkpoints``) is therefore left by prefilling the prefix whose tail
-is ``p`` (``checkpoints.stage_length``: ``p + 1`` tokens, with EAGLE ``p + u +
+is ``p`` (``checkpoint_stages.stage_length``: ``p + 1`` tokens, with EAGLE ``p + u +
 1``) as a request of its own, one sampled token, before the prompt; the
 prompt then hits ``p`` through vLLM's own prefix cache. Several positions run
 as a chain of prefixes, each hitting the one before. A prefix is released (aborted)
@@ -51,7 +51,7 @@ TAIL_QUEUE_LIMIT = 64
 
 @dataclass(frozen=True, slots=True)
 class TailStage:
-    """A P/D prompt's own tail (``checkpoints.truncated_tail_stage``), left by a
+    """A P/D prompt's own tail (``checkpoint_stages.truncated_tail_stage``), left by a
     background request (``request``: the prefix, ``background=True``) after it."""
 
     position: int
@@ -87,7 +87,7 @@ class Stages:
     prefixes_released: int = 0
 
     def start(self, request: EngineRequest, plan: tuple[tuple[int, int], ...]) -> EngineRequest | None:
-        """Queue ``request`` behind ``plan`` (``checkpoints.staged_checkpoints``);
+        """Queue ``request`` behind ``plan`` (``checkpoint_stages.staged_checkpoints``);
         returns the first prefix request to submit (None: no plan, submit the prompt)."""
         if not plan:
             return None
