@@ -29,10 +29,10 @@ key                        type    meaning
 
 Rules: store entries are published only after the store put succeeded, and
 deleted when a load finds the object missing or corrupt. A lookup is one
-EVALSHA of ``lookup.lua`` (packed by hand: redis-py's generic packing cost
-more than the lookup itself); the chain travels as ONE argument, its store KV
-keys back to back, which the script cuts at a fixed stride (Redis parses 6
-arguments, not 1,285). The leading run of each group is read in chunks
+EVALSHA of ``lookup.lua`` with its arguments packed here, not by redis-py's
+generic packing; the chain travels as ONE argument, its store KV keys back to
+back, which the script cuts at a fixed stride (Redis parses 6 arguments, not
+one per block). The leading run of each group is read in chunks
 (EXISTS counts for store keys, SMISMEMBER for instance sets) and stops at the
 first absent block, so holes anywhere in a chain are handled exactly (tests
 compare with a brute-force reference) and a short hit costs a short scan.

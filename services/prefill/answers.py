@@ -1,4 +1,4 @@
-"""Answer checkpoints, prefill side (issue #17): prompt + answer through the
+"""Answer checkpoints, prefill side: prompt + answer through the
 ordinary chunked prefill, at low priority, after the stream ended.
 
 The router sends a finished chat request's prompt + generated ids here, to

@@ -1,4 +1,4 @@
-"""Answer checkpoints, router side (issue #17): the answer becomes part of the
+"""Answer checkpoints, router side: the answer becomes part of the
 cached prefix.
 
 When a chat request finishes normally, two things happen here:

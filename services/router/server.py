@@ -1,7 +1,7 @@
 """Runs the router: the OpenAI HTTP API (uvicorn) and gRPC in one event loop.
 
 Both servers serve TLS when ``tls_cert_file`` / ``tls_key_file`` are set, and
-both bound what one client can hold (issue #50):
+both bound what one client can hold:
 
 * HTTP: at most ``http_max_connections`` open connections (uvicorn answers 503
   at that many; a connection past it is closed at once), idle keep-alive

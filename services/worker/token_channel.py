@@ -1,15 +1,14 @@
 """Decode tokens to the router over ZMQ, not one Ray object per token.
 
-A Ray streaming generator costs CPU per item on each side (about a
-millisecond, by hand: docs/DESIGN.md section 3); on a decode actor that is CPU
-the engine's step loses, once per token. With ``token_channel: zmq`` the
+A Ray streaming generator costs CPU per item on each side; on a decode actor
+that is CPU the engine's step loses, once per token. With ``token_channel: zmq`` the
 router binds one PULL socket (:class:`TokenSink`) and each decode actor keeps
 one PUSH socket per router (:class:`TokenSender`). ``DecodeWorker.generate``
 is still the request's Ray call (a streaming generator), but it carries only
 the request's end: it yields nothing on this path, ends after the last chunk
 was sent, and raises what the decode raised (a handoff failure before the
 first token, an engine error), so the router's retry and error mapping are
-those of the Ray path; a dead actor fails it as before.
+those of the Ray path; a dead actor fails the Ray call.
 
 A frame is a keyed tag and a JSON body::
 

@@ -14,7 +14,7 @@ The draft's matmuls are plain ``x @ w.T`` over its real rows, not
 ``rows_mm`` (padded to 16 rows for batch invariance): a proposal only picks
 which tokens the target verifies, and verification is exact, so the draft
 needs no row invariance, and at batch 1 its step (3 matmuls + the LM head)
-costs ~16x less than padded.
+multiplies one row where padding would multiply 16.
 """
 
 from __future__ import annotations
