@@ -81,7 +81,7 @@ def config_show(fmt: str, config_path: str | None, **flags: Any) -> None:
 
 def redacted(cfg: HybridPDConfig) -> dict[str, Any]:
     """The config as a mapping with no secret in it: keys replaced, URL passwords masked."""
-    from hybridpd.index.prefix_index import redacted_url
+    from hybridpd.index.connection import redacted_url
 
     data = cfg.model_dump(mode="json")
     for name in ("api_keys", "operator_api_keys"):
@@ -136,7 +136,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     from pathlib import Path
 
     from hybridpd.errors import HybridPDError
-    from hybridpd.index.prefix_index import redacted_url
+    from hybridpd.index.connection import redacted_url
     from hybridpd.logging import setup_logging
     from launch.stack import LocalStack
     from services.router.server import RouterServer

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.errors import ConfigError, StartupError, UnavailableError
-from hybridpd.index.prefix_index import PrefixIndex, redacted_url
+from hybridpd.index.connection import redacted_url
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.integrity import load_key, stack_key
 from hybridpd.procs import listen_ports, port_open

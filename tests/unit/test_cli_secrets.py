@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from hybridpd.config import is_loopback, load_config
 from hybridpd.errors import ConfigError
-from hybridpd.index.prefix_index import redacted_url
+from hybridpd.index.connection import redacted_url
 from launch.cli import auth_line, cli
 
 
