@@ -1,0 +1,63 @@
+"""Each symbol ``hybridpd/engine/vllm/patches.py`` rebinds or reads is where it expects it.
+
+The patches change vLLM's and torch's defaults, not their behaviour; a release that
+moves one of these names would make a patch silently do nothing. One test per patch
+fails instead (read from the installed packages, no engine is built).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+def test_nixl_without_progress_thread_finds_the_agent_config_factory() -> None:
+    """``nixl_without_progress_thread`` rebinds ``base_worker.nixl_agent_config`` with
+    ``enable_prog_thread=False``: the name, the factory's keyword and the worker's call."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    assert hasattr(base_worker, "nixl_agent_config")
+    make = base_worker.nixl_agent_config
+    assert make is not None, "NIXL's Python API is not installed in the vLLM environment"
+    assert "enable_prog_thread" in inspect.signature(make).parameters
+    assert "nixl_agent_config(" in inspect.getsource(base_worker)  # read at call time, from the module
+
+
+def test_one_gloo_device_finds_gloos_process_group_and_options() -> None:
+    """``one_gloo_device`` subclasses ``distributed_c10d.ProcessGroupGloo`` and gives it one
+    device through ``_Options._devices``."""
+    from torch.distributed import distributed_c10d as c10d
+
+    gloo = c10d.ProcessGroupGloo
+    assert callable(gloo.create_default_device)
+    opts = gloo._Options()
+    opts._devices = []
+    assert hasattr(opts, "_timeout")
+
+
+def test_kept_cpu_affinity_guards_the_pin_nixl_sets() -> None:
+    """``kept_cpu_affinity`` restores what the NixlConnector worker's ``sched_setaffinity``
+    takes: the call it guards against is still there (without it the guard is inert)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    assert "os.sched_setaffinity(0" in inspect.getsource(base_worker)
+
+
+def test_store_puts_to_own_segment_finds_the_store_workers_fields() -> None:
+    """``store_puts_to_own_segment`` reads the transfer group, a multi-connector's
+    ``sub_connectors``, the store connector's ``connector_worker`` and that worker's
+    ``store``, ``store_replicate_config`` and ``kv_send_thread.replicate_config``."""
+    from vllm.distributed.kv_transfer import kv_transfer_state
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store import connector, worker
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    assert callable(kv_transfer_state.get_kv_transfer_group) and callable(kv_transfer_state.has_kv_transfer_group)
+    assert isinstance(inspect.getattr_static(MultiConnector, "sub_connectors"), property)
+    assert "self.connector_worker" in inspect.getsource(connector)
+    init = inspect.getsource(worker.MooncakeStoreWorker)
+    for field in ("self.store_replicate_config", "self.kv_send_thread", "self.store "):
+        assert field in init, field
+    assert "self.replicate_config = replicate_config" in inspect.getsource(worker.KVCacheStoreSendingThread)
