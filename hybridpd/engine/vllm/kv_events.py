@@ -1,4 +1,3 @@
-# Over 350 lines: one translation: every vLLM KV event kind to our cache events.
 """A vLLM engine's KV-cache events, as our cache events (``engine.base.CacheEvent``).
 
 vLLM publishes ``KVEventBatch`` messages (msgpack over ZMQ PUB) when blocks
@@ -32,24 +31,16 @@ its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
   from the event's tokens, or, for a partial entry, from the prompt the engine
   registered (``PromptRegistry``: the engine registers every prompt's chain
   when it adds the request, before vLLM can publish anything of it).
-* **A unit is claimed** while at least one live entry of every attention group
-  covers it (reference counts); **a state at H is claimed** while every group
-  of the model (each Mamba group and each attention group) has a live entry at
-  H: vLLM's hybrid lookup needs all groups to hit at exactly that length.
-  Removing any one of them withdraws the claim (a REMOVED event), so the index
-  never claims a state whose attention entry or any Mamba group's block was
-  evicted. A claimed unit is held, not always reachable: vLLM's lookup enters
-  a block through an entry on the prompt's own chain, so a prompt that leaves
-  a cached block inside it has units claimed that vLLM does not hit for it;
-  every hit the index promises rests on a state, i.e. on an entry of every
-  group at exactly that position, which vLLM does hit.
-* Changes are settled per batch of vLLM events (a batch carries all groups'
-  events of one step), and only the net transitions are published.
+* **Claims** (``cache_claims.py``): a unit is claimed while a live entry of
+  every attention group covers it, a state at H while every group of the
+  model has a live entry at H; changes are settled per batch of vLLM events
+  (a batch carries all groups' events of one step), and only the net
+  transitions are published.
 
 Store entries have no removal events (Mooncake evicts silently): the index
-bounds them with its TTL, and the store tier here forgets the oldest entries
-past ``MAX_STORE_ENTRIES`` without publishing anything. ``AllBlocksCleared``
-and a gap in vLLM's sequence numbers (ZMQ drops silently) become CLEARED.
+bounds them with its TTL, and the store tier forgets the oldest entries
+without publishing anything (``cache_claims.py``). ``AllBlocksCleared`` and a
+gap in vLLM's sequence numbers (ZMQ drops silently) become CLEARED.
 ``KVEventFeed.apply`` is the pure mapping; ``KVEventFeed.start`` runs it on a
 ZMQ subscriber thread. The engine drains the result with ``pop_cache_events``.
 """
@@ -60,24 +51,20 @@ import logging
 import tempfile
 import threading
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
+from hybridpd.engine.vllm.cache_claims import ATTENTION, ClaimTier
+from hybridpd.engine.vllm.prompt_registry import PromptRegistry
 from hybridpd.hashing import BlockHash, BlockHasher
 
 logger = logging.getLogger(__name__)
 
-ATTENTION = "full_attention"
-MAMBA = "mamba"
 #: the medium MooncakeStoreConnector's store puts carry (the block pool's is "GPU" on every device)
 STORE_MEDIUM = "cpu"
-#: prompt-chain hashes the registry keeps (about 20 prompts of 164K tokens at unit 16)
-MAX_REGISTERED_HASHES = 1 << 18
-#: store entries remembered to combine the groups of one state (no removals ever arrive)
-MAX_STORE_ENTRIES = 1 << 18
 #: how long the feed thread waits for a batch before it looks at its stop flag: an idle
 #: engine wakes it once a second (``close`` joins it within that)
 POLL_MS = 1000
@@ -108,156 +95,6 @@ class GroupSpec:
     block_size: int
 
 
-class PromptRegistry:
-    """Recent prompts' chains, so a hash names its position and the units before it.
-    Bounded (oldest prompts forgotten first); thread-safe."""
-
-    def __init__(self, max_hashes: int = MAX_REGISTERED_HASHES) -> None:
-        self.max_hashes = max_hashes
-        self._chains: OrderedDict[int, tuple[BlockHash, ...]] = OrderedDict()
-        self._where: dict[bytes, tuple[int, int]] = {}
-        self._count = 0
-        self._next = 0
-        self._lock = threading.Lock()
-
-    def register(self, chain: Sequence[BlockHash]) -> None:
-        if not chain:
-            return
-        with self._lock:
-            cid = self._next
-            self._next += 1
-            self._chains[cid] = tuple(chain)
-            for i, h in enumerate(chain):
-                self._where[bytes(h)] = (cid, i)
-            self._count += len(chain)
-            while self._count > self.max_hashes and len(self._chains) > 1:
-                old_id, old = self._chains.popitem(last=False)
-                self._count -= len(old)
-                for h in old:
-                    if self._where.get(bytes(h), (None,))[0] == old_id:
-                        del self._where[bytes(h)]
-
-    def units_before(self, h: bytes, block_size: int, unit: int) -> tuple[int, tuple[BlockHash, ...]] | None:
-        """(position of ``h``, the unit hashes from its block's start to it), or None."""
-        with self._lock:
-            where = self._where.get(bytes(h))
-            if where is None:
-                return None
-            chain = self._chains[where[0]]
-        end = where[1] + 1
-        pos = end * unit
-        start = (pos - 1) // block_size * block_size // unit
-        return pos, chain[start:end]
-
-
-@dataclass
-class _Tier:
-    """The entries of one medium (the engine's cache, or the store) and what of
-    them is claimed; ``settle`` turns the changes since the last call into events."""
-
-    store: bool
-    entries: dict[int, set[bytes]] = field(default_factory=dict)
-    covers: dict[tuple[int, bytes], tuple[BlockHash, ...]] = field(default_factory=dict)
-    unit_refs: dict[int, Counter[bytes]] = field(default_factory=dict)
-    claimed_units: set[bytes] = field(default_factory=set)
-    claimed_states: set[bytes] = field(default_factory=set)
-    touched_units: set[bytes] = field(default_factory=set)
-    touched_states: set[bytes] = field(default_factory=set)
-    order: OrderedDict[tuple[int, bytes], None] = field(default_factory=OrderedDict)
-
-    def add(self, group: int, h: bytes, units: Sequence[BlockHash] | None) -> None:
-        entries = self.entries.setdefault(group, set())
-        if h in entries:
-            return
-        entries.add(h)
-        self.touched_states.add(h)
-        if units is not None:
-            self.covers[(group, h)] = tuple(units)
-            refs = self.unit_refs.setdefault(group, Counter())
-            for u in units:
-                refs[bytes(u)] += 1
-                self.touched_units.add(bytes(u))
-        if self.store:
-            self.order[(group, h)] = None
-            while len(self.order) > MAX_STORE_ENTRIES:
-                self.forget(*self.order.popitem(last=False)[0])
-
-    def remove(self, group: int, h: bytes) -> None:
-        entries = self.entries.get(group)
-        if entries is None or h not in entries:
-            return
-        entries.discard(h)
-        self.touched_states.add(h)
-        units = self.covers.pop((group, h), ())
-        refs = self.unit_refs.get(group)
-        for u in units:
-            if refs is not None:
-                refs[bytes(u)] -= 1
-                if refs[bytes(u)] <= 0:
-                    del refs[bytes(u)]
-            self.touched_units.add(bytes(u))
-
-    def forget(self, group: int, h: bytes) -> None:
-        """Drop a store entry from memory only: its index keys live out their TTL."""
-        self.entries.get(group, set()).discard(h)
-        units = self.covers.pop((group, h), ())
-        refs = self.unit_refs.get(group)
-        for u in units:
-            if refs is not None and refs[bytes(u)] > 0:
-                refs[bytes(u)] -= 1
-                if refs[bytes(u)] <= 0:
-                    del refs[bytes(u)]
-        self.claimed_states.discard(h)
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.covers.clear()
-        self.unit_refs.clear()
-        self.claimed_units.clear()
-        self.claimed_states.clear()
-        self.touched_units.clear()
-        self.touched_states.clear()
-        self.order.clear()
-
-    def settle(self, kinds: Mapping[int, str]) -> list[CacheEvent]:
-        """The net transitions since the last settle, as events (removals first)."""
-        attention = [g for g, k in kinds.items() if k == ATTENTION]
-        mamba = [g for g, k in kinds.items() if k == MAMBA]
-        gone_units: list[BlockHash] = []
-        new_units: list[BlockHash] = []
-        gone_states: list[BlockHash] = []
-        new_states: list[BlockHash] = []
-        no_refs: Counter[bytes] = Counter()
-        for u in self.touched_units:
-            now = bool(attention) and all(self.unit_refs.get(g, no_refs)[u] > 0 for g in attention)
-            if now and u not in self.claimed_units:
-                self.claimed_units.add(u)
-                new_units.append(BlockHash(u))
-            elif not now and u in self.claimed_units:
-                self.claimed_units.discard(u)
-                gone_units.append(BlockHash(u))
-        for h in self.touched_states:
-            now = bool(mamba) and all(h in self.entries.get(g, ()) for g in kinds)
-            if now and h not in self.claimed_states:
-                self.claimed_states.add(h)
-                new_states.append(BlockHash(h))
-            elif not now and h in self.claimed_states:
-                self.claimed_states.discard(h)
-                gone_states.append(BlockHash(h))
-        self.touched_units.clear()
-        self.touched_states.clear()
-        out = []
-        for kind, group, hashes in (
-            (CacheEventKind.REMOVED, CacheGroup.STATE, gone_states),
-            (CacheEventKind.REMOVED, CacheGroup.KV, gone_units),
-            (CacheEventKind.STORED, CacheGroup.KV, new_units),
-            (CacheEventKind.STORED, CacheGroup.STATE, new_states),
-        ):
-            if hashes and not (self.store and kind is CacheEventKind.REMOVED):
-                out.append(CacheEvent(kind, group, tuple(sorted(hashes)), store=self.store))
-        return out
-
-
 class KVEventFeed:
     """Turns one engine's KV events into cache events (``pop`` drains them; thread-safe).
 
@@ -270,8 +107,8 @@ class KVEventFeed:
         self.kinds: dict[int, str] = {g: s.kind for g, s in (groups or {}).items()}
         self.block_sizes: dict[int, int] = {g: s.block_size for g, s in (groups or {}).items()}
         self.prompts = PromptRegistry()
-        self.local = _Tier(store=False)
-        self.store = _Tier(store=True)
+        self.local = ClaimTier(store=False)
+        self.store = ClaimTier(store=True)
         self.last_seq: int | None = None
         self.gaps = 0
         self.published_kv = 0
