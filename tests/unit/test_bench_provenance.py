@@ -105,7 +105,7 @@ def _sp_variant(ttft: float, machine: dict | None = AVX2, started: float = 0.0, 
 
 
 def test_shared_prefix_comparisons_read_not_comparable_across_machines() -> None:
-    from bench.shared_prefix_run import checks
+    from bench.shared_prefix_checks import checks
 
     held = {"prefill_cache": {"cached_mib": 90.0}, "hit_ratio_all_phases": 0.95}
     one = {

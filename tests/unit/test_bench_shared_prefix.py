@@ -182,7 +182,7 @@ ONE_RUN = {"commit": "c0", "dirty": False, "started": 0.0, "ended": 60.0, "machi
 def test_checks_stack_vllm_against_vllm() -> None:
     """Issue #26: stack-vllm >= 0.9 of the ideal on every phase and above vllm-direct
     and vllm-pd on each, from one run (the provenance's times and commit)."""
-    from bench.shared_prefix_run import checks
+    from bench.shared_prefix_checks import checks
 
     def variant(ratios: dict[str, float], started: float, commit: str = "c0") -> dict:
         prov = {"commit": commit, "dirty": False, "started": started, "ended": started + 60.0, "machine": MACHINE}
@@ -214,7 +214,7 @@ def test_checks_stack_vllm_against_vllm() -> None:
 def test_ttft_checks_against_vllm_pd() -> None:
     """Issue #25: stack-vllm's and stack-vllm-1p1d's TTFT p50 per phase against
     vllm-pd's, with the phases where ours is not below (a tie is not below)."""
-    from bench.shared_prefix_run import checks
+    from bench.shared_prefix_checks import checks
 
     def variant(ttfts: dict[str, float]) -> dict:
         phases = {p: {"hit_ratio": 1.0, "ttft_p50_ms": t} for p, t in ttfts.items()}
@@ -235,7 +235,7 @@ def test_the_tail_stage_trade_against_vllm_pd() -> None:
     """stack-vllm-no-tail-stage gets the same checks, and every stack the phases
     where it caches no more than vllm-pd (a tie is not above): the tail stage's
     trade, a unit of hit against an engine step, in one JSON."""
-    from bench.shared_prefix_run import checks
+    from bench.shared_prefix_checks import checks
 
     def variant(ttft: dict[str, float], cached: dict[str, int]) -> dict:
         phases = {p: {"hit_ratio": 1.0, "ttft_p50_ms": t, "cached_tokens": cached[p]} for p, t in ttft.items()}
@@ -255,7 +255,7 @@ def test_the_tail_stage_trade_against_vllm_pd() -> None:
 def test_plan_ttft_p50_against_vllm_pd() -> None:
     """Issue #25 on the whole workload: the TTFT p50 over every request of the plan
     (median over repeats), ours against vllm-pd's; a tie is not below."""
-    from bench.shared_prefix_run import checks, plan_ttft_p50
+    from bench.shared_prefix_checks import checks, plan_ttft_p50
 
     def variant(*repeats: list[float]) -> dict:
         reps = [{"requests": [{"ttft_ms": t} for t in ttfts]} for ttfts in repeats]
