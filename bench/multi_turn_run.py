@@ -1,298 +1,33 @@
-# Over 350 lines: one workload run against every variant (stack, vLLM, vLLM P/D, stack on vLLM).
 """Runs the multi-turn workload (``bench.multi_turn``: the plan and the
 arithmetic) against each variant and writes JSON + PNG + markdown
 (``hybridpd bench multi-turn``).
 
-Requests go one at a time, streaming (TTFT: the first chunk with a choice);
-each user's next request waits until ``think_ms`` after its previous answer
-ended. On our stack the router's answer counters (``/metrics``) and the
-prefill actors' answer-checkpoint counters (``/v1/hybridpd/stats``) are read
-around every request, so each request's deltas are its own.
+Each variant runs on a server of its own, started here and stopped after its
+conversations: our stack (``hybridpd up``), our stack on the vLLM engine (from
+the vLLM environment), or vLLM alone (``vllm serve``, vLLM's own P/D).
+``bench.multi_turn_client`` sends the conversations to it and
+``bench.multi_turn_checks`` judges the results; the JSON keeps every repeat.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import re
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from bench.multi_turn import QUICK, VARIANTS, Plan, TextEncoder, Workload, build_plan, checks, lcp, summarize
+from bench.multi_turn import QUICK, VARIANTS, Plan, Workload, build_plan
+from bench.multi_turn_checks import checks
+from bench.multi_turn_client import run_conversations
+from bench.multi_turn_encoders import Encoders, Messages, native_encoders, router_encoders
 from bench.repeats import measure_variants
 from bench.report import previous_variants, spread
-from bench.stack_stats import handoff_counters
 from bench.vllm_direct import vllm_venv
-
-Messages = list[tuple[str, str]]
-ChatIds = Callable[[Messages], list[int]]
-
-#: sent before the plan, not recorded (first-request costs out of the first TTFT):
-#: no system message, so it shares less than a unit with the plan
-WARMUP: Messages = [("user", "Return the warm-up value.")]
-
-_COUNTER = re.compile(r'^(hybridpd_answer_\w+?)_total(?:\{outcome="(\w+)"\})? (\S+)$')
-#: the prefill actors' answer-checkpoint counters (``services/prefill/answers.py``)
-PREFILL_COUNTERS = (
-    "answer_checkpoints",
-    "answer_checkpoint_tokens",
-    "answer_checkpoint_bytes",
-    "answer_checkpoints_dropped",
-    "answer_checkpoints_skipped",
-    "answer_checkpoints_failed",
-    "checkpoint_exports",
-    "checkpoint_export_bytes",
-    "checkpoint_state_bytes",
-    "checkpoint_export_failures",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Encoders:
-    """A server's tokenization: chat messages -> prompt ids, text -> ids; ``stop_ids``
-    (stripped from an answer's end before comparing it with its re-tokenized text,
-    as the router does) and ``special_ids`` (ids that decode to no text; None: unknown)."""
-
-    chat_ids: ChatIds
-    text_ids: TextEncoder
-    stop_ids: tuple[int, ...] = ()
-    special_ids: frozenset[int] | None = None
-    #: messages ending in (assistant answer, user message) -> the prompt's tokens after
-    #: the answer's text (template + message + generation prompt), tokenized alone
-    suffix_tokens: Callable[[Messages], int] | None = None
-    #: ids -> their text (the router's tokenizer; None: unknown)
-    decode: Callable[[list[int]], str] | None = None
-
-
-def native_encoders() -> Encoders:
-    """The router's tokenization (the bundled model's assets)."""
-    from hybridpd.model_files import TOKENIZER_DIR
-
-    return router_encoders(TOKENIZER_DIR)
-
-
-def router_encoders(tokenizer_dir: Path) -> Encoders:
-    """The router's tokenization of the model whose tokenizer files are in ``tokenizer_dir``."""
-    from hybridpd.tokenizer import ChatMessage, TextTokenizer
-
-    tok = TextTokenizer(tokenizer_dir)
-    special = frozenset(i for i, t in tok.tok.get_added_tokens_decoder().items() if t.special)
-
-    def suffix_tokens(msgs: Messages) -> int:
-        # the template ends a turn with <|im_end|>, a special token: the text after the
-        # answer tokenizes the same alone as in the whole prompt
-        text = tok.chat_prompt([ChatMessage(r, c) for r, c in msgs]).text
-        answer = msgs[-2][1]
-        return len(tok.encode(text[text.rfind(answer) + len(answer) :]))
-
-    return Encoders(
-        lambda msgs: tok.apply_chat_template([ChatMessage(r, c) for r, c in msgs]),
-        tok.encode,
-        tuple(tok.stop_token_ids),
-        special,
-        suffix_tokens,
-        tok.decode,
-    )
-
-
-def kept_tokens(ids: list[int], decode: Callable[[list[int]], str], text: str) -> int:
-    """How many of an answer's generated ``ids`` the router keeps as the answer:
-    the most leading ids whose text is exactly the ``text`` the client got (all of
-    them, unless the answer ends inside a character: the router then keeps the ids
-    before the cut, ``IncrementalDetokenizer.received``; none where no prefix is).
-
-    >>> kept_tokens([1, 2, 3], lambda ids: "abc"[: len(ids)], "abc")
-    3
-    >>> kept_tokens([1, 2, 3], lambda ids: ["", "a", "ab", "ab\ufffd"][len(ids)], "ab")
-    2
-    >>> kept_tokens([1, 2], lambda ids: "x", "y")
-    0
-    """
-    for k in range(len(ids), 0, -1):
-        if decode(ids[:k]) == text:
-            return k
-    return 0
-
-
-def _send(client: httpx.Client, url: str, msgs: Messages, w: Workload) -> dict[str, Any]:
-    body: dict[str, Any] = {
-        "model": "tiny",
-        "messages": [{"role": r, "content": c} for r, c in msgs],
-        "max_tokens": w.answer_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
-    t0 = time.perf_counter()
-    ttft = usage = None
-    text: list[str] = []
-    ids: list[int] | None = []
-    with client.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as resp:
-        resp.raise_for_status()
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            if "error" in data:
-                raise RuntimeError("chat: %s" % data["error"])
-            for ch in data.get("choices") or ():
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                text.append((ch.get("delta") or {}).get("content") or "")
-                if ids is not None and "token_ids" in ch and ch["token_ids"] is not None:
-                    ids.extend(ch["token_ids"])
-            usage = data.get("usage") or usage
-    assert usage is not None and ttft is not None, "stream without usage or tokens"
-    if ids is not None and len(ids) != usage["completion_tokens"]:
-        ids = None  # the server does not return token ids
-    return {"usage": usage, "ttft_ms": ttft * 1e3, "text": "".join(text), "ids": ids}
-
-
-def _router_counters(client: httpx.Client, url: str) -> dict[str, float]:
-    """``hybridpd_answer_*_total`` from the router's /metrics, keyed ``name[:outcome]``."""
-    out: dict[str, float] = {}
-    for line in client.get(url + "/metrics", timeout=30).text.splitlines():
-        m = _COUNTER.match(line)
-        if m:
-            out[m.group(1) + (":" + m.group(2) if m.group(2) else "")] = float(m.group(3))
-    return out
-
-
-def _prefill_counters(client: httpx.Client, url: str) -> dict[str, int]:
-    """The prefill actors' answer-checkpoint counters, summed."""
-    stats = client.get(url + "/v1/hybridpd/stats", timeout=60).json()
-    out = dict.fromkeys(PREFILL_COUNTERS, 0)
-    for name, s in stats.items():
-        if name.startswith("prefill"):
-            for k in PREFILL_COUNTERS:
-                out[k] += int(s.get(k, 0))
-    return out
-
-
-def _settled(client: httpx.Client, url: str, requested: float, timeout_s: float = 30.0) -> dict[str, int]:
-    """The prefill counters once every requested answer checkpoint is done (or dropped,
-    skipped, failed), at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        c = _prefill_counters(client, url)
-        if _pending(requested, c) <= 0 or time.monotonic() > deadline:
-            return c
-        time.sleep(0.2)
-
-
-def _pending(requested: float, c: dict[str, int]) -> int:
-    ended = sum(c[k] for k in ("answer_checkpoints", "answer_checkpoints_dropped", "answer_checkpoints_skipped"))
-    return int(requested) - ended - c["answer_checkpoints_failed"]
-
-
-def _delta(after: dict[str, float], before: dict[str, float], key: str) -> int:
-    return int(after.get(key, 0) - before.get(key, 0))
-
-
-def run_conversations(
-    url: str,
-    plan: Plan,
-    w: Workload,
-    enc: Encoders,
-    native: bool,
-) -> dict[str, Any]:
-    """Send the plan's conversations to ``url``, round by round, one request at a
-    time; per request its usage, TTFT, whether the answer's text re-tokenizes to
-    other ids than were generated (``enc``; trailing stop ids stripped; and again
-    with the special ids left out of the generated ones: they decode to no text),
-    and on our stack (``native``) the router's answer counters' deltas and the
-    answer checkpoints still pending when it was sent."""
-    from tqdm import tqdm
-
-    records: list[dict[str, Any]] = []
-    history: list[Messages] = [[("system", plan.system)] for _ in range(w.users)]
-    last_end = [0.0] * w.users
-    round1: list[list[int]] = []
-    with httpx.Client() as client:
-        _send(client, url, WARMUP, w)
-        rc = _router_counters(client, url) if native else {}
-        start = _settled(client, url, rc.get("hybridpd_answer_checkpoints_requested", 0)) if native else {}
-        bar = tqdm(total=w.users * w.rounds, desc="requests", unit="req")
-        for rnd in range(1, w.rounds + 1):
-            for user in range(w.users):
-                msgs = [*history[user], ("user", plan.messages[user][rnd - 1])]
-                time.sleep(max(0.0, last_end[user] + w.think_ms / 1e3 - time.monotonic()))
-                before = _router_counters(client, url) if native else {}
-                pc = _prefill_counters(client, url) if native else None
-                hb = (handoff_counters(client, url) if native else None) or (0, 0)
-                res = _send(client, url, msgs, w)
-                last_end[user] = time.monotonic()
-                after = _router_counters(client, url) if native else {}
-                ha = (handoff_counters(client, url) if native else None) or (0, 0)
-                u = res["usage"]
-                rec: dict[str, Any] = {
-                    "user": user + 1,
-                    "round": rnd,
-                    "prompt_tokens": u["prompt_tokens"],
-                    "cached_tokens": (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
-                    "completion_tokens": u["completion_tokens"],
-                    "ttft_ms": res["ttft_ms"],
-                    "prefix_tokens": u.get("hybridpd_prefix_tokens"),
-                }
-                if rnd == 1:
-                    ids = enc.chat_ids(msgs)
-                    rec["encoded_prompt_tokens"] = len(ids)
-                    rec["shared_tokens"] = max((lcp(ids, q) for q in round1), default=0)
-                    round1.append(ids)
-                elif enc.suffix_tokens is not None:
-                    rec["suffix_tokens"] = enc.suffix_tokens(msgs)
-                if res["ids"] is not None:
-                    gen = list(res["ids"])
-                    while gen and gen[-1] in enc.stop_ids:
-                        gen.pop()
-                    again = enc.text_ids(res["text"])
-                    rec["retokenized_differs"] = again != gen
-                    rec["retokenized_tokens"] = len(again)
-                    rec["retokenized_common_prefix"] = lcp(again, gen)
-                    if enc.special_ids is not None:
-                        rec["special_ids_in_answer"] = sum(i in enc.special_ids for i in gen)
-                        rec["retokenized_differs_nonspecial"] = again != [i for i in gen if i not in enc.special_ids]
-                    rec["answer_ids"] = gen
-                    if enc.decode is not None:
-                        rec["answer_kept_tokens"] = kept_tokens(list(res["ids"]), enc.decode, res["text"])
-                rec["answer_text"] = res["text"]
-                if native:
-                    rec["metric_answer_hit"] = _delta(after, before, "hybridpd_answer_tokens:hit")
-                    rec["metric_answer_recomputed"] = _delta(after, before, "hybridpd_answer_tokens:recomputed")
-                    rec["metric_retokenized_same"] = _delta(after, before, "hybridpd_answer_retokenized:same")
-                    rec["metric_retokenized_differs"] = _delta(after, before, "hybridpd_answer_retokenized:differs")
-                    assert pc is not None
-                    rec["answer_checkpoints_pending_at_send"] = _pending(
-                        before.get("hybridpd_answer_checkpoints_requested", 0), pc
-                    )
-                    # what this request's handoff read, and what it would have read whole
-                    rec["handoff_bytes"] = ha[0] - hb[0]
-                    rec["handoff_full_bytes"] = ha[0] - hb[0] + ha[1] - hb[1]
-                records.append(rec)
-                history[user] = [*msgs, ("assistant", res["text"])]
-                bar.update()
-        bar.close()
-        out = summarize(records, w.unit)
-        if native:
-            rc2 = _router_counters(client, url)
-            requested = rc2.get("hybridpd_answer_checkpoints_requested", 0)
-            end = _settled(client, url, requested)
-            out["answer_checkpoints_requested"] = int(requested - rc.get("hybridpd_answer_checkpoints_requested", 0))
-            out["prefill_answer_counters"] = {k: end[k] - start[k] for k in PREFILL_COUNTERS}
-    out["prompt_tokens_match_round1"] = all(
-        r["encoded_prompt_tokens"] == r["prompt_tokens"] for r in records if r["round"] == 1
-    )
-    return out
-
 
 #: the variants that are vLLM alone, not our stack (see ``_run_vllm``): plain ``vllm
 #: serve`` and vLLM's own prefill/decode disaggregation (bench/vllm_pd.py)

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from bench.multi_turn import QUICK, Workload, build_plan, checks, per_request, shared_round1, summarize
+from bench.multi_turn import QUICK, Workload, build_plan, per_request, shared_round1, summarize
+from bench.multi_turn_checks import checks
 
 
 def rec(user: int, rnd: int, prompt: int, cached: int, completion: int = 128, ttft: float = 10.0, **kw: Any) -> dict:
@@ -323,7 +324,7 @@ def test_an_answer_cut_inside_a_character_counts_the_ids_before_the_cut() -> Non
 def test_kept_tokens_by_the_router_s_tokenizer() -> None:
     """``kept_tokens`` on the bundled tokenizer agrees with the router's own rule
     (``IncrementalDetokenizer.received``) on whole answers and cut ones."""
-    from bench.multi_turn_run import kept_tokens, native_encoders
+    from bench.multi_turn_encoders import kept_tokens, native_encoders
     from hybridpd.model_files import TOKENIZER_DIR
     from hybridpd.tokenizer import IncrementalDetokenizer, TextTokenizer
 
@@ -345,7 +346,8 @@ def _without_kept(variant: dict) -> dict:
 
 def test_the_one_prefill_control_and_vllms_shipped_pd_are_variants() -> None:
     """#52: multi-turn has a 1-prefill control of stack-vllm, and vLLM's P/D as it ships."""
-    from bench.multi_turn import Workload, _against_vllm_pd
+    from bench.multi_turn import Workload
+    from bench.multi_turn_checks import _against_vllm_pd
     from bench.multi_turn_run import ORDER, variants
 
     args = variants(Workload())

@@ -130,7 +130,7 @@ def test_shared_prefix_comparisons_read_not_comparable_across_machines() -> None
 
 
 def test_multi_turn_against_vllm_pd_reads_not_comparable_across_machines() -> None:
-    from bench.multi_turn import _against_vllm_pd
+    from bench.multi_turn_checks import _against_vllm_pd
 
     def v(ttft: float, cached: float, machine: dict | None) -> dict:
         provs = [rec(0.0, machine)] if machine else []
