@@ -15,17 +15,8 @@ from fastapi.testclient import TestClient
 
 from bench import vllm_pd
 from bench.vllm_direct import SHARED_PREFIX_FLAG, VllmServer, serve_argv
-from bench.vllm_pd import (
-    KV_TRANSFER_CONFIG,
-    NO_PROGRESS_THREAD_ENV,
-    PREFILL_CACHED_HEADER,
-    PREFILL_KV_PARAMS,
-    VllmPd,
-    decode_body,
-    make_app,
-    prefill_body,
-    split_cpus,
-)
+from bench.vllm_pd import KV_TRANSFER_CONFIG, NO_PROGRESS_THREAD_ENV, VllmPd, split_cpus
+from bench.vllm_pd_proxy import PREFILL_CACHED_HEADER, PREFILL_KV_PARAMS, decode_body, make_app, prefill_body
 from hybridpd.errors import UnavailableError
 
 PREFILL, DECODE = "http://prefill.test", "http://decode.test"

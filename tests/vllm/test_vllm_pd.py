@@ -26,7 +26,8 @@ pytest.importorskip("vllm")
 import httpx
 
 from bench.vllm_direct import VllmServer, vllm_venv
-from bench.vllm_pd import PREFILL_CACHED_HEADER, VllmPd
+from bench.vllm_pd import VllmPd
+from bench.vllm_pd_proxy import PREFILL_CACHED_HEADER
 from tests.greedy import BF16_TOL, GreedyReference, assert_greedy_matches
 from tests.vllm.workers import tokens
 
