@@ -1,4 +1,3 @@
-# Over 350 lines: one workload run against every variant (stack, 4 routers, vLLM, vLLM P/D, stack on vLLM).
 """The growing-streams workload: long prompts that grow every round.
 
 S streams; stream s sends token-id prompts of length L0, L0 + D, ... up to

@@ -1,4 +1,3 @@
-# Over 350 lines: engine and stack runs of one workload, interleaved, with their timing.
 """What the serving path costs on top of the engine: ``hybridpd bench overhead``.
 
     hybridpd bench overhead [--quick] [--repeats 3] [--no-integrity] [--json bench/results/overhead.json]

@@ -1,4 +1,3 @@
-# Over 350 lines: the soak's traffic, its accounting and its no-cache reference check.
 """Bounded soak: many concurrent streams for a fixed time, then accounting.
 
     hybridpd bench soak [--minutes 10] [--streams 16] [--json PATH] [--url URL]
