@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from bench import provenance
+from bench import machines, provenance
 from bench.report import spread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -469,8 +469,8 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "vllm-client-pd-quick": ("vllm_client_pd_quick.json", _vllm_client),
     "vllm-client-pd": ("vllm_client_pd.json", _vllm_client),
     "router": ("router.json", _dropping("bench.router", "CPU time")),
-    "serving-path-ab": ("ab.json", _module_markdown("bench.ab")),
-    "index-scale": ("index_scale.json", _dropping("bench.index_scale", "Encodings", "Ingestion")),
+    "serving-path-ab": ("ab-issue50.json", _module_markdown("bench.ab")),
+    "index-scale": ("index_scale_quick.json", _dropping("bench.index_scale", "Encodings", "Ingestion")),
     "hashing": ("hashing.json", _module_markdown("bench.hashing")),
     "engine": ("engine.json", _dropping("bench.engine", "| k ")),
     "eagle-ab": ("eagle_ab.json", _module_markdown("bench.eagle_ab")),
@@ -479,6 +479,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "vllm-index-promises": ("vllm_index_promises.json", _promises),
     "gpu-check": ("gpu_check_float32.json", _gpu_check),
     "other-results": ("", lambda out: ""),
+    "machines": ("", lambda out: ""),
 }
 
 
@@ -504,6 +505,8 @@ def render_block(name: str, results: Path = RESULTS) -> str:
     filename, table = BLOCKS[name]
     if name == "other-results":
         return _others(results)
+    if name == "machines":
+        return machines.markdown(results)
     path = results / filename
     if not path.exists():
         return "_No results file `bench/results/%s` yet._\n" % filename

@@ -30,7 +30,8 @@ at concurrency 1 and 4, and ``prefix_repetition`` (4 prefixes of 2,000
 tokens, 300-token suffixes, 16 output tokens) at concurrency 4, each with
 its own seed (so no run hits the previous run's prompts). The tokenizer is
 the tiny models' shared one. Each run's own result JSON is kept
-beside the summary (``<json stem>_runs/<target>/<repeat>/``).
+beside the summary (``<json stem>_runs/<target>/<repeat>/``, which git ignores:
+the summary keeps every repeat's figures with its provenance).
 
 ``--target`` picks some of them (default: all). Targets are run
 ``--repeats`` times, interleaved, each repeat on a freshly
