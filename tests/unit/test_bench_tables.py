@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import tables
+from bench import provenance_text, tables
 
 
 def test_readme_blocks_regenerate_exactly() -> None:
@@ -59,7 +59,7 @@ def _soak(prov: dict) -> dict:
 
 def test_a_dirty_result_is_refused_and_a_clean_one_rendered(tmp_path: Path) -> None:
     (tmp_path / "soak.json").write_text(json.dumps(_soak(_prov(dirty=True))))
-    with pytest.raises(tables.DirtyResultError, match="dirty"):
+    with pytest.raises(provenance_text.DirtyResultError, match="dirty"):
         tables.render_block("soak", tmp_path)
     (tmp_path / "soak.json").write_text(json.dumps(_soak(_prov(dirty=False))))
     text = tables.render_block("soak", tmp_path)
@@ -90,5 +90,5 @@ def test_the_promise_run_renders_its_totals_with_provenance(tmp_path: Path) -> N
     assert "commit aaaaaaa" in text and "| requests | over_promises | under_promises | metric_kept |" in text
     assert "| 201 | 0 | 63 | 97,856 |" in text and "rows" not in text
     (tmp_path / "vllm_index_promises.json").write_text(json.dumps({**out, "provenance": _prov(True)}))
-    with pytest.raises(tables.DirtyResultError):
+    with pytest.raises(provenance_text.DirtyResultError):
         tables.render_block("vllm-index-promises", tmp_path)

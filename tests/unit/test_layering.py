@@ -104,20 +104,12 @@ def test_a_source_file_over_350_lines_says_why_at_its_top() -> None:
 
 #: the most lines a bench/ source file may hold (docs/DESIGN.md, Style)
 BENCH_MAX_LINES = 400
-#: TEMPORARY: bench/ files waiting for their split (#53), exempt from the limit and
-#: from the no-waiver rule until then; a file leaves the set in its split's commit
-PENDING_SPLIT = {"bench/tables.py"}
-
-
 def test_no_bench_file_runs_past_400_lines() -> None:
     """bench/ holds small files named after things too: none runs past
-    ``BENCH_MAX_LINES`` lines or opens with a ``# Over 350 lines:`` waiver, but
-    those of ``PENDING_SPLIT``, which must still exist and still be long."""
+    ``BENCH_MAX_LINES`` lines or opens with a ``# Over 350 lines:`` waiver."""
     long, waived = [], []
     for path in sorted((ROOT / "bench").rglob("*.py")):
         rel = str(path.relative_to(ROOT))
-        if rel in PENDING_SPLIT:
-            continue
         text = path.read_text()
         if text.count("\n") > BENCH_MAX_LINES:
             long.append("%s (%d lines)" % (rel, text.count("\n")))
@@ -125,9 +117,3 @@ def test_no_bench_file_runs_past_400_lines() -> None:
             waived.append(rel)
     assert not long, long
     assert not waived, "waiver headers in bench/: %s" % waived
-    split = [
-        rel
-        for rel in sorted(PENDING_SPLIT)
-        if not (ROOT / rel).exists() or (ROOT / rel).read_text().count("\n") <= BENCH_MAX_LINES
-    ]
-    assert not split, "split already (take them out of PENDING_SPLIT): %s" % split

