@@ -73,7 +73,10 @@ def test_the_native_engine_holds_tensors_only_in_its_runner() -> None:
     """After nano-vllm: the scheduler, the sequence, the step's messages and the
     cache bookkeeping are tensor-free; tensors live in the runner and its parts."""
     native = ROOT / "hybridpd" / "engine" / "native"
-    tensor_free = ("scheduler", "scheduler_config", "sequence", "step", "state_cache", "block_pool", "prefix_cache")
+    tensor_free = (
+        *("scheduler", "scheduler_config", "sequence", "step", "state_cache", "block_pool", "prefix_cache"),
+        *("handoff_pins", "prefill_plan"),
+    )
     with_torch = [name for name in tensor_free if "torch" in _modules_imported(native / ("%s.py" % name))]
     assert not with_torch, with_torch
 

@@ -1,4 +1,3 @@
-# Over 350 lines: the engine facade: the step, the request lifecycle, and the export and handoff seams.
 """NativeEngine: the reference implementation of the engine boundary (``engine/base.py``).
 
 One step is schedule -> run -> postprocess (after nano-vllm)::
@@ -16,9 +15,10 @@ abort); the runner is the only part that holds tensors (weights, KV, state
 slots, per-request state); ``PrefixCache`` (prefix_cache.py) the local cache's
 bookkeeping: both pools (``StateCache`` for the checkpoint slots), exports,
 imports and the cache events; ``HandoffTransport`` (handoff.py) the NIXL
-agents. ``role`` ("local" | "prefill" | "decode") and
-``instance`` only name things (the NIXL agents): every member works in every
-role.
+agents, ``HandoffPins`` (handoff_pins.py) the blocks a delta handoff keeps;
+``prefill_plan.py`` what a prefill will do, asked before it runs. ``role``
+("local" | "prefill" | "decode") and ``instance`` only name things (the NIXL
+agents): every member works in every role.
 
 Exactness rules (tests compare paths token for token):
 
@@ -42,7 +42,6 @@ from typing import Literal
 
 import torch
 
-from hybridpd.checkpoints import planned_checkpoint, requested_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
@@ -57,7 +56,9 @@ from hybridpd.engine.base import (
     SpecStats,
     StateCheckpoint,
 )
+from hybridpd.engine.native import prefill_plan
 from hybridpd.engine.native.handoff import FetchedHandoff, Handoff, HandoffTransport, NativeTicket
+from hybridpd.engine.native.handoff_pins import HandoffPins
 from hybridpd.engine.native.model import HybridModel
 from hybridpd.engine.native.model_config import KERNEL_CHUNK
 from hybridpd.engine.native.model_runner import ModelRunner
@@ -133,8 +134,8 @@ class NativeEngine:
         self.transport = HandoffTransport(instance, cfg.handoff_timeout_s, cfg.device, self.unit, key)
         #: handoffs of finished prefill_only requests, until pop_handoff (another thread)
         self._handoffs: dict[str, Handoff] = {}
-        #: rid -> {block index: cached pool block} a delta handoff holds (prepare_handoff)
-        self._pins: dict[str, dict[int, int]] = {}
+        #: the cached blocks delta handoffs hold (prepare_handoff)
+        self.pins = HandoffPins(self.kv_pool, self.hasher)
         self.seqs: dict[str, Sequence] = {}
         self.pending: list[RequestOutput] = []
         self.spec = SpecStats()
@@ -187,7 +188,7 @@ class NativeEngine:
         that decode has not read is withdrawn from NIXL (no output)."""
         dropped = self._handoffs.pop(request_id, None) is not None
         dropped |= self.transport.withdraw(request_id)  # offered, not read yet: free it now
-        dropped |= self._unpin(request_id)
+        dropped |= self.pins.release(request_id)
         seq = self.seqs.get(request_id)
         if seq is None:
             return dropped
@@ -289,29 +290,11 @@ class NativeEngine:
 
     def prepare_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> int:
         """Pin the blocks of ``ticket``'s prompt this engine's prefix cache holds
-        (the conversation's previous turns), so ``fetch_handoff`` skips them and
-        no admission evicts them before ``add_handoff`` (or ``abort``) takes
-        them over. A block is held when its chain hash, computed here from the
-        request, equals the ticket's and is cached. Returns the pinned count."""
-        self._unpin(request.request_id)
-        if not (isinstance(ticket, NativeTicket) and self.cfg.enable_prefix_caching and ticket.block_hashes):
-            return 0
-        mine = self.hasher.chain(list(request.prompt_token_ids), cache_salt=request.cache_salt)
-        pins: dict[int, int] = {}
-        for i, (theirs, h) in enumerate(zip(ticket.block_hashes, mine, strict=False)):
-            slot = self.kv_pool.lookup(h) if theirs == h else None
-            if slot is not None:
-                self.kv_pool.touch([slot])
-                pins[i] = slot
-        if pins:
-            self._pins[request.request_id] = pins
-        return len(pins)
-
-    def _unpin(self, request_id: str) -> bool:
-        pins = self._pins.pop(request_id, None)
-        if pins:
-            self.kv_pool.free([pins[i] for i in sorted(pins, reverse=True)])  # tail first: the head stays longest
-        return bool(pins)
+        (the conversation's previous turns: ``HandoffPins.pin``), so
+        ``fetch_handoff`` skips them and no admission evicts them before
+        ``add_handoff`` (or ``abort``) takes them over. Returns the pinned count."""
+        hashes = ticket.block_hashes if isinstance(ticket, NativeTicket) and self.cfg.enable_prefix_caching else ()
+        return self.pins.pin(request, hashes)
 
     def fetch_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> FetchedHandoff:
         """READ and verify a ticket from a native prefill engine, but the blocks
@@ -321,7 +304,7 @@ class NativeEngine:
             raise TypeError("the native engine reads NativeTicket handoffs, got %s" % type(ticket).__name__)
         if ticket.request_id != request.request_id:
             raise IntegrityError("handoff of %s offered for request %s" % (ticket.request_id, request.request_id))
-        return self.transport.fetch(request, ticket, frozenset(self._pins.get(request.request_id, {})))
+        return self.transport.fetch(request, ticket, self.pins.held(request.request_id))
 
     def add_handoff(self, request: EngineRequest, ticket: HandoffTicket) -> None:
         """Continue ``request`` from a fetched handoff (decode side of P/D)."""
@@ -330,10 +313,7 @@ class NativeEngine:
         handoff = ticket.handoff
         if handoff.request.request_id != request.request_id:
             raise IntegrityError("handoff of %s given for %s" % (handoff.request.request_id, request.request_id))
-        pins = self._pins.get(request.request_id, {})
-        if not ticket.held <= pins.keys():  # its rows were never read: never use them
-            self._unpin(request.request_id)
-            raise IntegrityError("handoff %s skipped blocks this engine did not pin" % request.request_id)
+        self.pins.check(request.request_id, ticket.held)
         try:
             self._validate(request)
             n = len(request.prompt_token_ids)
@@ -343,16 +323,13 @@ class NativeEngine:
             seq.num_cached = handoff.num_cached_tokens
             self._check_fits(seq)
         except BaseException:
-            self._unpin(request.request_id)
+            self.pins.release(request.request_id)
             raise
-        pinned = {i: b for i, b in pins.items() if i in ticket.held}
-        if not self.scheduler.admit_handoff(seq, pinned):
+        if not self.scheduler.admit_handoff(seq, self.pins.covering(request.request_id, ticket.held)):
             # NOTE: the pins stay: the caller may try again once blocks are free (the decode
             # worker waits, bounded), or abort, which releases them
             raise OverloadedError("no KV blocks free for handoff %s" % request.request_id)
-        extra = {i: b for i, b in self._pins.pop(request.request_id, {}).items() if i not in ticket.held}
-        if extra:  # pinned but read anyway (a fetch without the pins): the seq does not hold them
-            self.kv_pool.free([extra[i] for i in sorted(extra, reverse=True)])
+        self.pins.hand_over(request.request_id, ticket.held)
         try:
             self.runner.load_handoff(seq, handoff, ticket.held)
         except BaseException:
@@ -377,36 +354,15 @@ class NativeEngine:
     # -- introspection -------------------------------------------------------------------
     def local_hit(self, token_ids: Seq[int], cache_salt: str | None = None) -> int:
         """The hit an admission of this prompt would get now (no side effects)."""
-        tokens = list(token_ids)
-        probe = Sequence(
-            EngineRequest(RequestId("probe"), tuple(tokens)),
-            tokens,
-            len(tokens),
-            self.hasher.chain(tokens, cache_salt=cache_salt),
-        )
-        return self.scheduler.hit_length(probe)
+        return prefill_plan.probe_hit(self.scheduler, self.hasher, token_ids, cache_salt)
 
     def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
-        """The scheduler's tail: ``checkpoints.planned_checkpoint`` of the prompt's query
-        ``[num_cached, N)`` (0 where the protocol forbids it or caching is off)."""
-        if not self.cfg.enable_prefix_caching:
-            return 0
-        n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
-        pos = planned_checkpoint(num_cached, n, n, cfg.unit, cfg.mamba_block_size, cfg.alignment, cfg.drop_eagle_block)
-        return pos or 0
+        """The scheduler's tail from a hit of ``num_cached`` (``prefill_plan.tail_checkpoint``)."""
+        return prefill_plan.tail_checkpoint(self.scheduler.cfg, request, num_cached)
 
     def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
-        """The scheduler's extra positions: ``checkpoints.requested_checkpoints`` of
-        the prompt's query ``[num_cached, N)`` (none with caching off). Not the
-        placed ones (``EngineRequest.placement``): a full speculative share may
-        skip them (``StateCache.store``), so only the index (the cache events)
-        reports them."""
-        if not self.cfg.enable_prefix_caching or not request.checkpoints:
-            return ()
-        n, cfg = len(request.prompt_token_ids), self.scheduler.cfg
-        b, a = cfg.mamba_block_size, cfg.alignment
-        drop = cfg.drop_eagle_block
-        return requested_checkpoints(request.checkpoints, num_cached, n, cfg.unit, b, a, drop, cfg.max_extra)
+        """The scheduler's extra positions from a hit of ``num_cached`` (``prefill_plan.extra_checkpoints``)."""
+        return prefill_plan.extra_checkpoints(self.scheduler.cfg, request, num_cached)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""
