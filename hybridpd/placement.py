@@ -1,6 +1,6 @@
 """Checkpoint placement: extra state checkpoints along a prompt, chosen by value.
 
-Tensor-free; the router places (``services/router/dispatch.py``), the native
+Tensor-free; the router places (``services/router/prefill_checkpoints.py``), the native
 engine snapshots (``EngineRequest.placement``), ``bench/placement.py`` replays.
 docs/DESIGN.md, "Checkpoint placement", gives the reasoning.
 

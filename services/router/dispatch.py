@@ -1,4 +1,3 @@
-# Over 350 lines: routing and every router-to-prefill/decode call with its retries.
 """Dispatch: where a request runs, and the calls to the actors that run it.
 
     route    tokens -> hash chain -> ONE index lookup (+ RecentPrefills)
@@ -12,15 +11,18 @@
              else round robin (routing.choose_decode);
              a handoff that fails before any chunk: prefill once more (elsewhere
              when possible) and go on only if it produced the same tokens
-    live     a ping to every instance: the kinds none of whose instances
-             serves (the router's readiness); the instances that drain, which
-             routing leaves out while another serves
+    live     a ping to every instance (``liveness.py``): the kinds none of whose
+             instances serves (the router's readiness); the instances that
+             drain, which routing leaves out while another serves
+
+The extra checkpoints a routed prefill leaves (the junction, chat boundaries,
+placement) are ``prefill_checkpoints.py``'s.
 
 Engine-agnostic: a :class:`PrefillResult` carries the tokens sampled at prefill
 (possibly none) and an opaque ticket only the decode engine reads. Every actor
-await runs within the request's :class:`Deadline`. A :class:`Flight` records
-which actors hold the request's work, so that an unfinished request can be
-aborted on all of them. Index failures degrade routing to load-only; they
+await runs within the request's :class:`Deadline`. A :class:`Flight`
+(``flight.py``) records which actors hold the request's work, so that an
+unfinished request can be aborted on all of them. Index failures degrade routing to load-only; they
 never fail a request.
 """
 
@@ -31,11 +33,10 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from ray.exceptions import RayActorError
 
-from hybridpd.checkpoints import merge_requested, requested_checkpoints
 from hybridpd.config import HybridPDConfig
 from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.base import EngineRequest
@@ -44,10 +45,12 @@ from hybridpd.errors import IntegrityError, NotFoundError, UnavailableError, des
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.integrity import block_hash_seed
-from hybridpd.placement import place, worth_a_step
 from hybridpd.transfer.handoff_descriptor import HandoffError
 from services.router.admission import Deadline
+from services.router.flight import Flight
+from services.router.liveness import Liveness
 from services.router.metrics import RouterMetrics
+from services.router.prefill_checkpoints import PrefillCheckpoints
 from services.router.routing import (
     RecentPrefills,
     RouteDecision,
@@ -56,14 +59,10 @@ from services.router.routing import (
     choose_decode,
     dispatch_work,
 )
-from services.worker.api import DecodeClient, PrefillClient, WorkerClient
+from services.worker.api import DecodeClient, PrefillClient
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
 
 logger = logging.getLogger(__name__)
-#: an instance that does not answer a ping within this long is not live (``Dispatcher.unserved``)
-PING_TIMEOUT_S = 2.0
-#: how long the answer of the last pings is reused
-LIVE_TTL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,28 +83,6 @@ class _Hits:
     store: int
     index_ok: bool
     known: int = 0
-
-
-@dataclass(slots=True)
-class Flight:
-    """The actors that hold a request's work now: what an abort must reach.
-    An actor is held from the call that sends it work; a call that fails drops
-    it again (the actor is gone, or it ended the request itself)."""
-
-    request_id: str
-    actors: list[WorkerClient] = field(default_factory=list)
-
-    def hold(self, actor: WorkerClient) -> None:
-        if all(a is not actor for a in self.actors):
-            self.actors.append(actor)
-
-    def drop(self, actor: WorkerClient) -> None:
-        self.actors = [a for a in self.actors if a is not actor]
-
-    def abort(self) -> None:
-        """Ask every holder to free the request (fire and forget)."""
-        for actor in self.actors:
-            actor.abort(self.request_id)
 
 
 class Dispatcher:
@@ -148,47 +125,20 @@ class Dispatcher:
         #: per decode instance, our decode streams running there (decode affinity's load)
         self.decoding: dict[str, int] = {}
         self._rr_prefill = itertools.count()
-        #: instances the last pings found draining (``WorkerBase.drain``)
-        self.draining: set[str] = set()
-        #: the last pings' answer (monotonic time, the kinds with no live instance), the pings under way
-        self._live: tuple[float, list[str]] | None = None
-        self._live_check: asyncio.Future[list[str]] | None = None
+        #: which instances serve (pings), and which drain
+        self.liveness = Liveness(prefill, decode)
+        #: the extra checkpoints of our prefills (the junction, boundaries, placement)
+        self.checkpoints = PrefillCheckpoints(cfg, self.profile, self.divergence, metrics)
 
     # -- liveness -----------------------------------------------------------------------
     async def unserved(self) -> list[str]:
-        """The kinds of instance ("prefill", "decode") of which none answered a ping
-        within ``PING_TIMEOUT_S`` (a dead, restarting or hung actor does not): what
-        keeps this router from serving. Asked at most once per ``LIVE_TTL_S``; callers
-        meanwhile share the last answer, or the check under way."""
-        if self._live is None or time.monotonic() - self._live[0] >= LIVE_TTL_S:
-            if self._live_check is None or self._live_check.done():
-                self._live_check = asyncio.ensure_future(self._ping_all(PING_TIMEOUT_S))
-            self._live = (time.monotonic(), await asyncio.shield(self._live_check))
-        return self._live[1]
-
-    async def _ping_all(self, timeout_s: float) -> list[str]:
-        async def live(client: WorkerClient) -> bool | None:
-            try:
-                return await asyncio.wait_for(client.serving(), timeout_s)
-            except Exception:  # dead (Ray's error), restarting or hung (the timeout): not live
-                return None
-
-        kinds = (("prefill", list(self.prefill_actors.values())), ("decode", list(self.decode_actors.values())))
-        clients = [c for _, cs in kinds for c in cs]
-        got = dict(zip((c.name for c in clients), await asyncio.gather(*(live(c) for c in clients)), strict=True))
-        #: instances that answered but drain: routing leaves them out while another serves
-        self.draining = {name for name, ok in got.items() if ok is False}
-        return [kind for kind, cs in kinds if not any(got[c.name] for c in cs)]
-
-    def _routable(self, names: list[str]) -> list[str]:
-        """``names`` without the instances the last pings found draining (all of them
-        when every one drains: a draining instance refuses, which is an honest 503)."""
-        return [n for n in names if n not in self.draining] or names
+        """The kinds of instance no instance of which answers a ping (``Liveness.unserved``)."""
+        return await self.liveness.unserved()
 
     # -- route --------------------------------------------------------------------------
     async def route(self, req: EngineRequest, force: str | None = None) -> Route:
         """The prefill instance for ``req`` (``force``: that one, NotFoundError if unknown)."""
-        names = self._routable(sorted(self.prefill_actors))
+        names = self.liveness.routable(sorted(self.prefill_actors))
         if force is not None and force not in self.prefill_actors:
             raise NotFoundError("no prefill instance %r" % force[:100])  # the instance names are not a client's
         if self.cfg.routing == "round_robin" and force is None:
@@ -207,75 +157,10 @@ class Dispatcher:
         return Route(decision, hits.hashes, hits.known, looked_up)
 
     def with_junction(self, req: EngineRequest, route: Route, boundaries: tuple[int, ...] = ()) -> EngineRequest:
-        """``req`` as its prefill runs it: under the branch-aware policy, with the
-        junction the lookup found (where the prompt leaves every cached prefix)
-        among its checkpoint positions when it lies past the hit, so the second
-        request to share a prefix leaves a checkpoint there for every later one
-        (the engine rounds it down to a position it can write:
-        ``checkpoints.requested_checkpoints``); and with the checkpoints
-        ``checkpoint_placement`` places along it for a request that will
-        diverge from it first (:meth:`_placement`). Where each is a staged
-        prefix (vLLM: an engine step for this request), the junction and the
-        chat message ``boundaries`` (``Built.boundaries``) are staged only
-        ``vllm_stage_gap_tokens`` past the hit or the one kept before them
-        (``placement.worth_a_step``): a turn that adds a few dozen tokens to a
-        cached conversation stages none."""
-        n, cfg = len(req.prompt_token_ids), self.cfg
-        if route.looked_up:
-            self.divergence.observe(n, route.known, cfg.prefix_match_unit)
-        hit = route.decision.expected_hit
-        extra = boundaries
-        if cfg.checkpoint_policy == "branch-aware" and route.known > hit:
-            extra = (*extra, route.known)
-        if self.profile.staged:
-            extra = worth_a_step(extra, hit, cfg.vllm_stage_gap_tokens)
-        if extra:
-            merged = merge_requested(req.checkpoints, tuple(sorted(set(extra))), n)
-            req = req if merged == req.checkpoints else replace(req, checkpoints=merged)
-        placed = self._placement(req, route.decision.expected_hit, route.known)
-        return replace(req, placement=placed) if placed else req
-
-    def _placement(self, req: EngineRequest, hit: int, known: int = 0) -> tuple[int, ...]:
-        """``placement.place`` for ``req``'s prefill from ``hit`` (the lookup's), in
-        the engine's checkpoint geometry. The native engine writes them mid-chunk
-        (snapshots) under its slot rules; the vLLM engine stages each as a prefix
-        prefill (``engine/vllm/stages.py``: an engine step and a token each), so
-        there any unit multiple past the hit is a candidate (unless
-        ``vllm_placement`` is off); there a prompt is placed only where one later
-        sharer is expected (it shares ``known`` tokens itself, or most prompts do:
-        ``DivergenceHistory.followers``), and each checkpoint must also be
-        expected to save ``vllm_stage_tokens`` of prefill, its step."""
-        cfg, profile = self.cfg, self.profile
-        if not cfg.enable_prefix_caching or cfg.checkpoint_placement == "off":
-            return ()
-        if profile.staged and not cfg.vllm_placement:
-            return ()
-        n, drop = len(req.prompt_token_ids), profile.eagle_drop_prefill
-        u, b, a = profile.geometry.unit, profile.geometry.block, profile.geometry.alignment
-        requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, drop, cfg.max_extra_checkpoints)
-        try:  # NOTE: on the event loop: O(1) candidates, a DP over at most 192 of them (ms)
-            placed = place(
-                cfg.checkpoint_placement,
-                n,
-                hit,
-                requested,
-                cfg.placement_checkpoints,
-                u,
-                b,
-                a,
-                drop,
-                self.divergence,
-                interval=cfg.placement_interval,
-                min_gain=cfg.placement_min_gain,
-                step_tokens=cfg.vllm_stage_tokens if profile.staged else 0,
-                known=known,
-                staged=profile.staged,
-            )
-        except Exception:  # placement is an optimisation: never fail a request for it
-            logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)
-            return ()
-        self.metrics.placed_checkpoints.inc(len(placed))
-        return placed
+        """``req`` as its prefill runs it, with the extra checkpoints of its route's
+        lookup and the chat message ``boundaries`` (``PrefillCheckpoints.for_prefill``)."""
+        d = route.decision
+        return self.checkpoints.for_prefill(req, d.expected_hit, route.known, route.looked_up, boundaries)
 
     async def _lookup(self, req: EngineRequest) -> _Hits:
         """Hash the prompt and look it up: local hits (raised by RecentPrefills) and the store hit."""
@@ -439,7 +324,8 @@ class Dispatcher:
         one, the index says which holds the prompt's leading blocks (one round trip;
         an index failure degrades to round robin). ``avoid``: the one whose handoff
         just failed (unless it is the only one)."""
-        names = [n for n in self._routable(sorted(self.decode_actors)) if n != avoid] or sorted(self.decode_actors)
+        every = sorted(self.decode_actors)
+        names = [n for n in self.liveness.routable(every) if n != avoid] or every
         held: dict[str, int] = {}
         if len(names) > 1 and self.index is not None and self.cfg.enable_prefix_caching:
             if hashes is None:  # the route's chain, else hashed once more

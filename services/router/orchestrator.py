@@ -37,7 +37,8 @@ from hybridpd.prefix_outcomes import prefix_token_split
 from hybridpd.tokenizer import TextTokenizer
 from services.router.admission import Admission, Deadline, Ticket
 from services.router.answers import AnswerMemory, AnswerPlan, strip_stop
-from services.router.dispatch import Dispatcher, Flight
+from services.router.dispatch import Dispatcher
+from services.router.flight import Flight
 from services.router.metrics import RouterMetrics
 from services.router.output import Event, OutputOptions, OutputProcessor
 from services.worker.api import DecodeClient, PrefillClient

@@ -160,7 +160,7 @@ def test_ready_needs_a_live_prefill_and_decode_and_no_drain() -> None:
         return int(got.status)
 
     def state() -> tuple[int, str, int]:
-        orch.dispatch._live = None  # the next check pings again (answers are reused for a second)
+        orch.dispatch.liveness._live = None  # the next check pings again (answers are reused for a second)
         ready, live = _calls(orch, ("GET", "/ready", None), ("GET", "/health", None))
         assert live.status_code == 200  # liveness: whatever the actors do
         message = ready.json()["error"]["message"] if ready.status_code != 200 else ""
@@ -188,7 +188,7 @@ def test_a_hung_instance_is_not_live() -> None:
         await asyncio.sleep(60)
 
     d.serving.fn = never  # type: ignore[method-assign]
-    missing = asyncio.run(asyncio.wait_for(orch.dispatch._ping_all(0.05), 5))
+    missing = asyncio.run(asyncio.wait_for(orch.dispatch.liveness._ping_all(0.05), 5))
     assert missing == ["decode"]
 
 
@@ -244,11 +244,11 @@ def test_routing_leaves_out_a_draining_instance_while_another_serves() -> None:
     p0, p1, d0, d1 = FakePrefill("prefill-0"), FakePrefill("prefill-1"), FakeDecode(), FakeDecode()
     orch = _orch([p0, p1], d0)
     _, dec = clients({"prefill-0": p0, "prefill-1": p1}, [d0, d1])
-    orch.dispatch.decode_actors = dec
+    orch.dispatch.decode_actors.update(dec)  # the caller's collection: shared with the pings
     p0.draining = d0.draining = True
-    assert asyncio.run(orch.dispatch._ping_all(1.0)) == []  # one of each kind still serves: ready
-    assert orch.dispatch.draining == {"prefill-0", "decode-0"}
-    assert orch.dispatch._routable(["prefill-0", "prefill-1"]) == ["prefill-1"]
+    assert asyncio.run(orch.dispatch.liveness._ping_all(1.0)) == []  # one of each kind still serves: ready
+    assert orch.dispatch.liveness.draining == {"prefill-0", "decode-0"}
+    assert orch.dispatch.liveness.routable(["prefill-0", "prefill-1"]) == ["prefill-1"]
     p1.draining = d1.draining = True
-    assert asyncio.run(orch.dispatch._ping_all(1.0)) == ["prefill", "decode"]  # not ready
-    assert orch.dispatch._routable(["prefill-0", "prefill-1"]) == ["prefill-0", "prefill-1"]  # they refuse: a 503
+    assert asyncio.run(orch.dispatch.liveness._ping_all(1.0)) == ["prefill", "decode"]  # not ready
+    assert orch.dispatch.liveness.routable(["prefill-0", "prefill-1"]) == ["prefill-0", "prefill-1"]  # they refuse: a 503
