@@ -160,7 +160,7 @@ class HandoffTicket:
     """What decode needs to continue a request prefilled elsewhere: opaque to the
     workers and the router, picklable (it crosses Ray), subclassed by each engine
     package (``engine/native/handoff.py``: NIXL descriptor and buffer metadata;
-    ``engine/vllm/engine.py``: vLLM's ``kv_transfer_params``). Only the engine
+    ``engine/vllm/outputs.py``: vLLM's ``kv_transfer_params``). Only the engine
     kind that made it can use it."""
 
     request_id: str

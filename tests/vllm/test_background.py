@@ -27,11 +27,12 @@ CHUNK, BG_TOKENS, FG_TOKENS = 256, 3000, 400
 
 def background_worker(q_out: Any) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import hybridpd.engine.vllm.core as vllm_core
     import hybridpd.engine.vllm.engine as vllm_engine
     from tests.vllm.workers import BASE, req, tokens
 
-    real = vllm_engine.engine_kwargs
-    vllm_engine.engine_kwargs = lambda *a, **k: {**real(*a, **k), "max_num_batched_tokens": CHUNK}
+    real = vllm_core.engine_kwargs  # the engine's arguments are built where it starts vLLM
+    vllm_core.engine_kwargs = lambda *a, **k: {**real(*a, **k), "max_num_batched_tokens": CHUNK}
     from hybridpd.config import load_config
     from hybridpd.engine.vllm.tiny import resolve
 

@@ -87,7 +87,7 @@ def test_no_prefix_below_what_is_cached() -> None:
 def test_pd_prefill_keeps_the_prompt_tail_one_engine_would(stage: bool) -> None:
     """A P/D prefill computes N - 1 tokens; for N = 1,601 (100 units and one token)
     its own tail is 1,584, a unit below one engine's 1,600. After the prompt the
-    engine runs the prompt's tail as a background prefix (``_tail_stage``: one
+    engine runs the prompt's tail as a background prefix (``StagePlan.tail_stage``: one
     background try, 17 tokens past 1,584), so the next turn, which extends the
     whole prompt, hits 1,600 (the ideal); A reports no hit of its own work. With
     ``vllm_tail_stage`` off no try runs and the next turn hits 1,584, as vLLM's

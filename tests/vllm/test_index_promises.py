@@ -42,7 +42,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridpd.engine.vllm.engine import KV_CACHE_BLOCKS_ENV
+from hybridpd.engine.vllm.environment import KV_CACHE_BLOCKS_ENV
 from tests.e2e.conftest import Stack
 
 #: where the full measurement (``main``) writes its counts

@@ -84,13 +84,14 @@ def junction_worker(q_out: Any, overrides: dict[str, Any], stub: bool) -> None:
     from concurrent.futures import Future
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import hybridpd.engine.vllm.core as vllm_core
     import hybridpd.engine.vllm.engine as vllm_engine
     from hybridpd.engine.vllm.tiny import resolve
     from tests.vllm.workers import BASE, req
 
-    if stub:
-        real_kwargs = vllm_engine.engine_kwargs
-        vllm_engine.engine_kwargs = lambda *a, **k: {**real_kwargs(*a, **k), "load_format": "dummy"}
+    if stub:  # the engine's arguments are built where it starts vLLM (core.py)
+        real_kwargs = vllm_core.engine_kwargs
+        vllm_core.engine_kwargs = lambda *a, **k: {**real_kwargs(*a, **k), "load_format": "dummy"}
     eng = vllm_engine.VllmEngine(load_config(env={}, overrides={**BASE, **overrides}), resolve(), "local")
     core = eng._core()
     sched = core.scheduler

@@ -79,10 +79,10 @@ def serve(role: str, q_in: Any, q_out: Any, side_port: int | None, processed: bo
     vLLM's ``processed_logprobs`` (the margins greedy choices were made on)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     if processed:
-        import hybridpd.engine.vllm.engine as vllm_engine
+        import hybridpd.engine.vllm.core as vllm_core  # where the engine starts vLLM
 
-        real = vllm_engine.engine_kwargs
-        vllm_engine.engine_kwargs = lambda *a, **k: {**real(*a, **k), "logprobs_mode": "processed_logprobs"}
+        real = vllm_core.engine_kwargs
+        vllm_core.engine_kwargs = lambda *a, **k: {**real(*a, **k), "logprobs_mode": "processed_logprobs"}
     from hybridpd.errors import InvalidRequestError
     from tests.vllm.workers import _engine, next_message
 

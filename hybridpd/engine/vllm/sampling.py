@@ -1,6 +1,6 @@
 """Our sampling parameters as vLLM's (vLLM 0.32), and vLLM's logprobs as ours.
 
-Which requests sample with what (``VllmEngine._submit``)::
+Which requests sample with what (``VllmCore._add_to_vllm``)::
 
     request                                   vLLM SamplingParams
     local request, decode (add_handoff)       full: every field below
