@@ -91,17 +91,37 @@ def test_the_bench_commands_join_the_cli_as_a_plugin() -> None:
     assert "placement" in res.output and "shared-prefix" in res.output
 
 
-def test_a_source_file_over_350_lines_says_why_at_its_top() -> None:
-    """Small files named after things (docs/DESIGN.md, Style); a longer one opens
-    with ``# Over 350 lines: <why>.``"""
-    long = []
-    for pkg in (*(p for p in PACKAGES if p != "bench"), "scripts"):  # bench/: the test below
-        for path in (ROOT / pkg).rglob("*.py"):
-            if "v1" in path.relative_to(ROOT).parts:  # generated
+#: no source file of these packages runs past this many lines (docs/DESIGN.md, Style)
+MAX_LINES = 400
+LIMITED = ("hybridpd", "services", "launch")
+
+
+def test_no_source_file_runs_past_400_lines() -> None:
+    """Small files named after things (docs/DESIGN.md, Style): no source file of
+    hybridpd/, services/ or launch/ runs past ``MAX_LINES`` lines or opens with a
+    ``# Over 350 lines:`` waiver (generated code aside; bench/: the test below)."""
+    long, waived = [], []
+    for pkg in LIMITED:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if "v1" in rel.parts:  # generated
                 continue
             text = path.read_text()
-            if text.count("\n") > 350 and not text.startswith("# Over 350 lines: "):
-                long.append("%s (%d lines)" % (path.relative_to(ROOT), text.count("\n")))
+            if text.count("\n") > MAX_LINES:
+                long.append("%s (%d lines)" % (rel, text.count("\n")))
+            if text.startswith("# Over 350 lines: "):
+                waived.append(str(rel))
+    assert not long, long
+    assert not waived, "waiver headers: %s" % waived
+
+
+def test_a_script_over_350_lines_says_why_at_its_top() -> None:
+    """scripts/ keeps the older rule: a file over 350 lines opens with ``# Over 350 lines: <why>.``"""
+    long = []
+    for path in (ROOT / "scripts").rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 350 and not text.startswith("# Over 350 lines: "):
+            long.append("%s (%d lines)" % (path.relative_to(ROOT), text.count("\n")))
     assert not long, long
 
 
