@@ -127,6 +127,8 @@ def test_a_script_over_350_lines_says_why_at_its_top() -> None:
 
 #: the most lines a bench/ source file may hold (docs/DESIGN.md, Style)
 BENCH_MAX_LINES = 400
+
+
 def test_no_bench_file_runs_past_400_lines() -> None:
     """bench/ holds small files named after things too: none runs past
     ``BENCH_MAX_LINES`` lines or opens with a ``# Over 350 lines:`` waiver."""
