@@ -26,7 +26,7 @@ from bench.repeats import measure_variants
 from bench.report import previous_variants, spread
 from bench.shared_prefix import COUNTING, KINDS, PHASES, QUICK, Messages, PlannedRequest, Workload, build_plan
 from bench.shared_prefix_checks import checks
-from bench.shared_prefix_checks import plan_ttft_p50 as plan_ttft_p50  # NOTE: bench/tables.py reads it here
+from bench.shared_prefix_checks import plan_ttft_p50 as plan_ttft_p50  # NOTE: block_renderers.py reads it here
 from bench.shared_prefix_client import native_chat_encoder, prefill_instances, run_plan
 from bench.shared_prefix_variants import (
     ROUTERS,
