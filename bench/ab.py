@@ -21,7 +21,8 @@ run are pooled per side:
 * ``median_change``: after's median / before's - 1;
 * ``p_higher``: a one-sided permutation test (seeded; whole runs relabelled) of
   "after's median is above before's";
-* ``within_5pct``: after's median is at most 1.05 x before's (``checks``).
+* ``within_5pct``: after's median is at most 1.05 x before's (``checks``; each
+  reads "not comparable" unless every run, of both commits, ran on one machine).
 
 The summary: ``bench/results/ab.json`` (``markdown`` renders its table).
 """
@@ -41,6 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from bench import provenance
 from bench.report import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -174,6 +176,9 @@ def summarize(runs_dir: Path = RUNS_DIR) -> dict[str, Any]:
         out["checks"].update({"%s_%s_within_5pct" % (name, k): r["within_5pct"] for k, r in rows.items()})
     for side in ("before", "after"):
         out["commits"][side] = sorted({p["commit"] for p in out["provenance"] if p["side"] == side})
+    # the two commits are compared by design, but only on one machine
+    out["same_machine"] = provenance.same_machine(out["provenance"])
+    out["checks"] = provenance.judged(out["same_machine"], out["checks"])
     if not out["benches"]:
         raise FileNotFoundError("no paired runs in %s (run with --before first)" % runs_dir)
     return out
@@ -188,6 +193,9 @@ def markdown(out: dict[str, Any]) -> str:
     def cell(s: dict[str, Any]) -> str:
         return "%.3f (%.3f-%.3f, %d)" % (s["median"], s["min"], s["max"], s["n"])
 
+    def verdict(within: bool) -> str:  # two machines' runs are no verdict
+        return ("yes" if within else "no") if out.get("same_machine", True) else provenance.NOT_COMPARABLE
+
     for name, metrics in out["benches"].items():
         for k, c in metrics.items():
             rows.append(
@@ -199,7 +207,9 @@ def markdown(out: dict[str, Any]) -> str:
                     cell(c["after"]),
                     100 * c["median_change"],
                     c["p_higher"],
-                    "yes" if c["within_5pct"] else "no",
+                    ("yes" if c["within_5pct"] else "no")
+                    if out.get("same_machine", True)
+                    else provenance.NOT_COMPARABLE,
                 )
             )
     commits = "before %s, after %s" % (

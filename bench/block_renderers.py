@@ -5,44 +5,44 @@ file's JSON (one machine kind's variants of it) and returns markdown.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import provenance
-from bench.provenance_text import provenance_line, value_text
+from bench.provenance_text import value_text
 from bench.report import spread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _vs_lines(out: dict[str, Any]) -> str:
-    """Ratios of each variant against its baselines (growing streams' ``vs_*``),
-    only where the two are one run."""
-    rows, left = [], 0
+    """Each variant's TTFT p50 over each baseline's (growing streams' ``vs_*``; the
+    ratios of recomputed tokens and throughput are in the JSON), one row per variant,
+    a ratio only where the two are one run."""
     variants = out["variants"]
+    cells: dict[str, dict[str, str]] = {}
+    bases: list[str] = []
+    left = 0
     for name, v in variants.items():
         for key, r in v.items():
+            base = key[3:]
             if not key.startswith("vs_"):
                 continue
-            base = variants.get(key[3:])
-            if base is None or not provenance.variants_same_run([v, base]):
+            if variants.get(base) is None or not provenance.variants_same_run([v, variants[base]]):
                 left += 1
                 continue
-            rows.append(
-                "| %s | %s | %.3f | %.3f | %.3f |"
-                % (name, key[3:], r["recomputed_tokens"], r["ttft_p50"], r["throughput"])
-            )
+            bases += [base] if base not in bases else []
+            cells.setdefault(name, {})[base] = "%.3f" % r["ttft_p50"]
     out_lines = []
-    if rows:
+    if cells:
         out_lines += [
             "",
-            "Against the baselines of the same run (ratios of the medians):",
+            "TTFT p50 against the baselines of the same run (ratios of the medians):",
             "",
-            "| variant | baseline | recomputed tokens | TTFT p50 | throughput |",
-            "|---|---|---|---|---|",
-            *rows,
+            "| variant | %s |" % " | ".join("/ %s" % b for b in bases),
+            "|---|%s" % ("---|" * len(bases)),
+            *("| %s | %s |" % (n, " | ".join(c.get(b, "-") for b in bases)) for n, c in cells.items()),
         ]
     if left:
         out_lines += ["", "%d ratios against a baseline left out: not one run (not comparable)." % left]
@@ -147,36 +147,6 @@ def promises(out: dict[str, Any]) -> str:
         + " | ".join(cell(out[k]) for k in keys)
         + " |\n"
     )
-
-
-#: a GPU check's fields, in order, and their column names
-GPU_FIELDS = (
-    ("device", "device"),
-    ("dtype", "dtype"),
-    ("hit_tokens_per_warm_request", "hit tokens / warm request"),
-    ("hit_tokens_ideal", "ideal"),
-    ("eagle_mean_acceptance_length", "EAGLE acceptance length"),
-    ("ttft_cold_p50_ms", "TTFT cold p50 ms"),
-    ("ttft_warm_p50_ms", "TTFT warm p50 ms"),
-    ("decode_tokens_per_s_warm_round", "decode tok/s"),
-    ("greedy_equal_to_reference", "greedy equal to the reference"),
-    ("pools_free_after", "pools free after"),
-)
-
-
-#: the GPU check's other results, one row each below the first file's
-GPU_MORE = ("gpu_check_bfloat16.json",)
-
-
-def gpu_check(out: dict[str, Any], results: Path | None = None) -> str:
-    """One row per dtype: this file's, then ``GPU_MORE``'s (each with its provenance line)."""
-    results = results or RESULTS
-    outs = [out] + [json.loads((results / f).read_text()) for f in GPU_MORE if (results / f).exists()]
-    notes = [provenance_line(f, o) for f, o in zip(GPU_MORE, outs[1:], strict=False)]
-    fields = [(k, h) for k, h in GPU_FIELDS if k in out]
-    rows = ["| " + " | ".join(h for _, h in fields) + " |", "|" + "---|" * len(fields)]
-    rows += ["| " + " | ".join(value_text(o.get(k, "-")).strip("`") for k, _ in fields) + " |" for o in outs]
-    return "".join(notes) + "\n" + "\n".join(rows) + "\n"
 
 
 def module_markdown(module: str) -> Callable[[dict[str, Any]], str]:

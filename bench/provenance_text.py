@@ -13,8 +13,7 @@ from typing import Any
 
 from bench import provenance
 
-#: checks that compare variants (or, for eagle-ab, two commits): they read
-#: "not comparable" unless those variants are one run (eagle-ab: one machine)
+#: checks that compare variants: they read "not comparable" unless those variants are one run
 COMPARISONS = re.compile(
     r"^(routers_hit_rat(e|io)_(ratio|ok)"
     r"|partial_eagle_caches_as_partial|partial_caches_more_than_aligned"
@@ -28,8 +27,6 @@ COMPARISONS = re.compile(
 )
 #: a check that says whether variants are one run: recomputed where the file's are not
 SAME_RUN_CHECK = re.compile(r"^(\w+_)?same_run$")
-#: blocks whose comparisons are between commits by design, on one machine
-MACHINE_GATED = frozenset({"eagle-ab"})
 
 
 class DirtyResultError(ValueError):
@@ -137,11 +134,9 @@ def value_text(v: Any) -> str:
 
 def difference(name: str, out: dict[str, Any]) -> str | None:
     """None where the comparisons of block ``name``'s file may be judged (its
-    variants are one run; eagle-ab: every record on one machine), else why not."""
+    variants are one run), else why not."""
     if isinstance(out.get("variants"), dict):
         return provenance.variants_difference(out["variants"].values())
-    if name in MACHINE_GATED and not provenance.same_machine(records(out)):
-        return "not one machine"
     return None
 
 

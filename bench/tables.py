@@ -41,11 +41,9 @@ from typing import Any
 
 from bench import machines, provenance
 from bench.block_renderers import (
-    GPU_MORE,
     RESULTS,
     dropping,
     first_table,
-    gpu_check,
     module_markdown,
     placement,
     promises,
@@ -62,7 +60,7 @@ README = Path(__file__).resolve().parent / "README.md"
 DOCS = (README, ROOT / "docs" / "DESIGN.md", ROOT / "README.md")
 
 _BLOCK = re.compile(r"(<!-- generated: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /generated: (?P=name) -->)", re.S)
-#: block name -> (results file, table renderer); files without a block are listed by ``other-results``
+#: block name -> (results file, table renderer); ``machines`` lists every file with its machine
 BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "growing-streams-quick": ("growing_streams_quick.json", variants_table("bench.growing_streams")),
     "shared-prefix-quick": ("shared_prefix_quick.json", shared_prefix),
@@ -71,18 +69,14 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "multi-turn-quick": ("multi_turn_quick.json", first_table("bench.multi_turn_run")),
     "overhead": ("overhead.json", module_markdown("bench.overhead")),
     "vllm-client-pd-quick": ("vllm_client_pd_quick.json", vllm_client),
-    "vllm-client-pd": ("vllm_client_pd.json", vllm_client),
     "router": ("router.json", dropping("bench.router", "CPU time")),
     "serving-path-ab": ("ab-issue50.json", module_markdown("bench.ab")),
     "index-scale": ("index_scale_quick.json", dropping("bench.index_scale", "Encodings", "Ingestion")),
     "hashing": ("hashing.json", module_markdown("bench.hashing")),
     "engine": ("engine.json", dropping("bench.engine", "| k ")),
-    "eagle-ab": ("eagle_ab.json", module_markdown("bench.eagle_ab")),
     "state-plane": ("state_plane.json", module_markdown("bench.state_plane")),
     "soak": ("soak.json", soak),
     "vllm-index-promises": ("vllm_index_promises.json", promises),
-    "gpu-check": ("gpu_check_float32.json", gpu_check),
-    "other-results": ("", lambda out: ""),
     "machines": ("", lambda out: ""),
 }
 
@@ -107,8 +101,6 @@ def render_block(name: str, results: Path = RESULTS) -> str:
     if name not in BLOCKS:
         raise KeyError("unknown generated block %r (known: %s)" % (name, ", ".join(BLOCKS)))
     filename, table = BLOCKS[name]
-    if name == "other-results":
-        return _others(results)
     if name == "machines":
         return machines.markdown(results)
     path = results / filename
@@ -122,18 +114,6 @@ def render_block(name: str, results: Path = RESULTS) -> str:
         parts.append(("\n" if i else "") + "%s\n%s" % (provenance_line(filename, sub, out), table(sub)))
     checks = "" if name in RENDER_OWN_CHECKS else checks_lines(out, difference(name, out))
     return "".join(parts) + checks
-
-
-def _others(results: Path) -> str:
-    """One line per results file no block tabulates: where it came from (its own
-    ``.md`` beside it has its tables)."""
-    shown = {f for f, _ in BLOCKS.values()} | set(GPU_MORE)
-    lines = []
-    for path in sorted(results.glob("*.json")):
-        if path.name not in shown:
-            line = provenance_line(path.name, json.loads(path.read_text())).rstrip("\n")
-            lines.append("- %s" % line)
-    return "\n".join(lines) + "\n" if lines else "_None._\n"
 
 
 def render(text: str, results: Path = RESULTS) -> str:

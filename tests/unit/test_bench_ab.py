@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import ab
+from bench.provenance import NOT_COMPARABLE
 
 pytestmark = pytest.mark.unit
 
@@ -22,11 +23,14 @@ def _overhead(scale: float) -> dict:
     return {"results": {"stack": {"concurrency_1": level, "concurrency_4": level}}, "check_values": checks}
 
 
-def _write(d: Path, side: str, i: int, scale: float, commit: str) -> None:
+MACHINE = {"cpu": "Xeon", "cpu_flags": ["avx2", "avx512f"], "machine_id": "m-1", "cpus": 2}
+
+
+def _write(d: Path, side: str, i: int, scale: float, commit: str, machine_id: str = "m-1") -> None:
     reps = []
     for j in range(2):
         rep = _overhead(scale * (1 + 0.001 * j))
-        rep["provenance"] = {"commit": commit}
+        rep["provenance"] = {"commit": commit, "machine": {**MACHINE, "machine_id": machine_id}}
         reps.append(rep)
     (d / ("overhead_%s_%d.json" % (side, i))).write_text(json.dumps({"repeats": reps}))
 
@@ -49,6 +53,17 @@ def test_equal_sides_are_within_and_a_ten_percent_rise_is_not(tmp_path: Path) ->
     assert not row["within_5pct"] and row["median_change"] == pytest.approx(0.1, abs=0.01)
     assert row["p_higher"] < 0.1
     assert "overhead" in ab.markdown(out)
+
+
+def test_runs_on_two_machines_are_no_verdict(tmp_path: Path) -> None:
+    """The two commits are compared by design, on one machine only."""
+    for i in range(1, 3):
+        _write(tmp_path, "before", i, 1.0, "a" * 40)
+        _write(tmp_path, "after", i, 1.0, "b" * 40, machine_id="m-2")
+    out = ab.summarize(tmp_path)
+    assert out["same_machine"] is False
+    assert set(out["checks"].values()) == {NOT_COMPARABLE}
+    assert "| %s |" % NOT_COMPARABLE in ab.markdown(out)
 
 
 def test_no_runs_is_an_error(tmp_path: Path) -> None:
