@@ -71,7 +71,7 @@ from bench.index_scale_report import markdown, plot
 from bench.report import write_json
 from bench.router import budget_check
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from services.router.routing import choose
 
@@ -126,7 +126,7 @@ def place_probes(index: PrefixIndex, hasher: BlockHasher, n: int, unit: int) -> 
 
 def heartbeat_all(index: PrefixIndex) -> None:
     for name in NAMES:
-        index.heartbeat(name, InstanceLoad())
+        index.heartbeat(name)
 
 
 def used_memory(index: PrefixIndex) -> int:

@@ -51,7 +51,7 @@ from bench import repeats as repeats_mod
 from bench import vllm_chain
 from bench.report import spread, write_report
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from services.router.routing import RecentPrefills, choose
 
@@ -132,7 +132,7 @@ def _one_size(url: str, n: int, unit: int, iterations: int, baseline_every: int,
     for i, frac in enumerate((0.4, 0.6)):
         m = int(len(chain) * frac)
         index.publish_local(NAMES[i], chain[:m], [chain[m - 1]])
-        index.heartbeat(NAMES[i], InstanceLoad())
+        index.heartbeat(NAMES[i])
     recent = RecentPrefills(unit, 4 * unit, unit, eagle=False)
     for s in range(64):  # other streams' recent prefills: the merge looks at them all
         other = [s, *tokens[1 : 4096 + s * unit]]

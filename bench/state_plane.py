@@ -31,7 +31,7 @@ from bench import provenance
 from bench.repeats import summary
 from bench.report import write_report
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.master import MooncakeMaster
@@ -108,7 +108,7 @@ def measure(quick: bool, repeats: int) -> dict[str, Any]:
             index.publish_store(chain[:1000], chain[999], 1000 * 128)
             for i in range(2):
                 index.publish_local(prefill_name(i), chain[: 500 * (i + 1)], [chain[500 * (i + 1) - 1]])
-                index.heartbeat(prefill_name(i), InstanceLoad())
+                index.heartbeat(prefill_name(i))
             lat, ping = [], []
             for _ in tqdm(range(n_lookups), desc="index lookups", leave=False):
                 lat.append(_timed(lambda: index.lookup(chain, 1300 * 128 + 1, 128, False)) * 1e3)

@@ -9,11 +9,10 @@ reports (one more round trip, at most once a second) goes to the primary.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis
@@ -25,15 +24,6 @@ from hybridpd.index.connection import IndexConnection, mapped
 from hybridpd.index.schema import IndexKeys
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceLoad:
-    """What a prefill instance reports with each heartbeat."""
-
-    queued_tokens: int = 0
-    running_requests: int = 0
-    free_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,23 +200,17 @@ class PrefixIndex(IndexConnection):
         with mapped():
             self.r.delete(self.keys.local_kv(instance), self.keys.local_st(instance))
 
-    def heartbeat(self, instance: str, load: InstanceLoad) -> None:
-        """Refresh liveness (and the TTL of the instance's local entries)."""
+    def heartbeat(self, instance: str) -> None:
+        """Refresh liveness (and the TTL of the instance's local entries): the lookup
+        treats an instance without a live heartbeat key as dead. The key holds no load:
+        the router learns an instance's load from its own pings and the actor's metrics."""
         with mapped():
             pipe = self.r.pipeline(transaction=False)
-            pipe.set(self.keys.heartbeat(instance), json.dumps(asdict(load)), px=self.heartbeat_ttl_ms)
+            pipe.set(self.keys.heartbeat(instance), b"1", px=self.heartbeat_ttl_ms)
             pipe.sadd(self.keys.instances, instance)
             pipe.expire(self.keys.local_kv(instance), self.ttl_s)
             pipe.expire(self.keys.local_st(instance), self.ttl_s)
             pipe.execute()
-
-    def live_instances(self) -> dict[str, InstanceLoad]:
-        with mapped():
-            names = sorted(m.decode() if isinstance(m, bytes) else m for m in self.r.smembers(self.keys.instances))
-            if not names:
-                return {}
-            loads = self.r.mget([self.keys.heartbeat(n) for n in names])
-        return {n: InstanceLoad(**json.loads(v)) for n, v in zip(names, loads, strict=True) if v is not None}
 
     # -- the lookup ------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:

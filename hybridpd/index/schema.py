@@ -17,8 +17,8 @@ key                        type    meaning
                                    local cache (key TTL refreshed by heartbeat;
                                    a decode instance: by ``refresh_local``)
 ``hpd:<m>:ist:<i>``        set     members H: state at H in instance i's cache
-``hpd:<m>:hb:<i>``         string  instance i is alive; value = its load (JSON),
-                                   expires unless heartbeats refresh it
+``hpd:<m>:hb:<i>``         string  instance i is alive (value ``1``); expires
+                                   unless heartbeats refresh it
 ``hpd:<m>:instances``      set     instances that ever heartbeated (the lookup
                                    drops members whose ``hb`` key expired)
 ``hpd:<m>:hit:<H>``        hash    ``n``: reuses of the state at H (any

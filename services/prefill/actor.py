@@ -11,8 +11,8 @@ Per request (``prefill``):
 
 After each engine step the publisher (``publisher.py``) takes the engine's
 checkpoint exports (put in the store, then published) and its cache events
-(mirrored into this instance's index entries). A heartbeat thread reports
-load. Redis or store failures degrade to local-only caching; they never fail
+(mirrored into this instance's index entries). A heartbeat thread keeps the
+instance live in the index. Redis or store failures degrade to local-only caching; they never fail
 a request. Nothing here depends on which engine runs (``engine/base.py``).
 """
 
@@ -30,7 +30,7 @@ from hybridpd.engine.base import Engine, EngineRequest, FinishReason, HandoffSta
 from hybridpd.engine.factory import make_engine
 from hybridpd.engine.profile import EngineProfile, profile_of
 from hybridpd.errors import IntegrityError, UnavailableError
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.integrity import load_key
 from hybridpd.store.client import BadObjectError, CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
@@ -173,13 +173,7 @@ class PrefillWorker(WorkerBase):
         self._handoff_stats()
         with self.stats_lock:
             counters: dict[str, float] = asdict(self.counters)
-        load = self.load()
-        gauges: dict[str, float] = {
-            "prefill_queued_tokens": load.queued_tokens,
-            "prefill_running_requests": load.running_requests,
-            "free_kv_blocks": load.free_blocks,
-            "store_state_bytes": self.publisher.ledger_stats().nbytes,
-        }
+        gauges: dict[str, float] = {**self.load(), "store_state_bytes": self.publisher.ledger_stats().nbytes}
         return counters, gauges
 
     def _prefill(self, cmd: PrefillCommand) -> PrefillResult:
@@ -288,17 +282,22 @@ class PrefillWorker(WorkerBase):
         while not self._stop.is_set():
             if self.index is not None:
                 try:
-                    self.index.heartbeat(self.name, self.load())
+                    self.index.heartbeat(self.name)
                 except UnavailableError:
                     logger.debug("heartbeat failed: index unavailable")
             self._stop.wait(1.0)
 
     # -- introspection -------------------------------------------------------------------
-    def load(self) -> InstanceLoad:
+    def load(self) -> dict[str, float]:
+        """The load gauges: prompt tokens queued, requests running, free KV blocks."""
         with self.loop.lock:
             st = self.engine.stats()
             queued = self.engine.queued_prompt_tokens()
-        return InstanceLoad(queued_tokens=queued, running_requests=st.num_running, free_blocks=st.num_free_blocks)
+        return {
+            "prefill_queued_tokens": queued,
+            "prefill_running_requests": st.num_running,
+            "free_kv_blocks": st.num_free_blocks,
+        }
 
     def stats(self) -> dict[str, object]:
         hs = self._handoff_stats()

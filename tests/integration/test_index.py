@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hybridpd.checkpoints import known_prefix, longest_usable_hit
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHash, BlockHasher, HashAlgo
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.store.client import CheckpointStore
 from hybridpd.store.loader import fetch_checkpoint
@@ -60,7 +60,7 @@ def test_lookup_equals_brute_force(
             [h for h, p in zip(chain, kv, strict=False) if p],
             [h for h, p in zip(chain, inst_st[i], strict=False) if p],
         )
-        index.heartbeat(name, InstanceLoad(queued_tokens=i))
+        index.heartbeat(name)
     got = index.lookup(hashes, n_tokens, UNIT, eagle)
 
     def brute(kv: list[bool], sp: list[bool]) -> int:
@@ -111,7 +111,7 @@ def test_long_chain_lookup_equals_brute_force(
         name = "prefill-%d" % j
         ikv = _presence(run, toggles)
         index.publish_local(name, [h for h, p in zip(LONG, ikv, strict=True) if p], [LONG[i] for i in states])
-        index.heartbeat(name, InstanceLoad())
+        index.heartbeat(name)
     got = index.lookup(LONG[:nb], n_tokens, UNIT, eagle)
 
     def brute(present: list[bool], states: set[int]) -> int:
@@ -134,7 +134,7 @@ def test_lookup_key_layout(redis_server: RedisServer, algo: HashAlgo) -> None:
     chain = BlockHasher(unit=UNIT, algo=algo, seed="layout").chain(list(range(200, 200 + 300 * UNIT)))
     index.publish_store(chain[:250], chain[199], 200 * UNIT)
     index.publish_local("i", chain[:140], [chain[129], chain[139]])
-    index.heartbeat("i", InstanceLoad())
+    index.heartbeat("i")
     got = index.lookup(chain, 300 * UNIT, UNIT, False)
     assert (got.store_hit, got.instance_hits) == (200 * UNIT, {"i": 140 * UNIT})
     assert index.lookup(chain, 300 * UNIT, UNIT, True).instance_hits == {"i": 130 * UNIT}
@@ -152,14 +152,15 @@ def test_dead_instances_drop_out(redis_server: RedisServer) -> None:
     chain = HASHER.chain(list(range(40)))
     index.publish_local("a", chain, chain)
     index.publish_local("b", chain, chain)
-    index.heartbeat("a", InstanceLoad(1, 2, 3))
-    index.heartbeat("b", InstanceLoad())
+    index.heartbeat("a")
+    index.heartbeat("b")
     assert set(index.lookup(chain, 40, UNIT, False).instance_hits) == {"a", "b"}
-    assert index.live_instances()["a"] == InstanceLoad(1, 2, 3)
-    wait_until(lambda: "a" not in index.live_instances(), 5, what="a's heartbeat (ttl 0.3 s) to expire")
-    index.heartbeat("b", InstanceLoad())
+    alive = lambda name: bool(index.r.exists(index.keys.heartbeat(name)))  # noqa: E731
+    assert alive("a") and alive("b")
+    wait_until(lambda: not alive("a"), 5, what="a's heartbeat (ttl 0.3 s) to expire")
+    index.heartbeat("b")
     assert index.lookup(chain, 40, UNIT, False).instance_hits == {"b": 36}
-    assert set(index.live_instances()) == {"b"}
+    assert alive("b") and not alive("a")
 
 
 def test_stale_entry_is_repaired(redis_server: RedisServer, mooncake_master: MooncakeMaster) -> None:
@@ -199,7 +200,7 @@ def test_outage_raises_typed_error_then_recovers(tmp_path: Path) -> None:
         index.lookup(chain, 41, UNIT, False)
     assert time.monotonic() - t0 < 2.0  # within the configured timeout (plus slack), not hanging
     with pytest.raises(UnavailableError):
-        index.heartbeat("a", InstanceLoad())
+        index.heartbeat("a")
     srv.start()  # same port; persistence is off, so the index is empty again
     assert index.ping()
     assert index.lookup(chain, 41, UNIT, False).store_hit == 0

@@ -23,7 +23,7 @@ from hybridpd.checkpoints import checkpoint_position, longest_usable_hit, planne
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from services.router.metrics import RouterMetrics
 from services.router.orchestrator import Orchestrator
@@ -115,7 +115,7 @@ def _setup(url: str, lag: int, routers: int = 1) -> tuple[list[Orchestrator], Wo
     index = PrefixIndex(url, "m-" + uuid.uuid4().hex[:8])
     world = World(index, lag)
     for name in NAMES:
-        index.heartbeat(name, InstanceLoad())
+        index.heartbeat(name)
     world.hasher = BlockHasher(unit=cfg.prefix_match_unit, algo=cfg.hash_algo, seed=cfg.hash_seed)
     shared, _ = clients({name: FakePrefill(name, index, cfg, world) for name in NAMES})
     orchs = [
