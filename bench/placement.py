@@ -42,7 +42,7 @@ from hybridpd.checkpoints import checkpoint_position, requested_checkpoints
 from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import slot_bytes
-from hybridpd.placement import place
+from hybridpd.placement import PlacementAsk, place
 
 WORKLOADS = ("fanout", "tree", "twosharer", "growing")
 #: the fixed intervals the report tries (tokens)
@@ -106,7 +106,9 @@ def replay(
         mine = {tail, *junction}
         pol = "off" if policy == "tail+junction" else ("interval" if policy.startswith("interval") else policy)
         count, gain = r.placement_checkpoints, r.placement_min_gain
-        mine |= set(place(pol, n, hit, mine, count, u, b, a, False, history, interval=interval, min_gain=gain))
+        mine |= set(
+            place(PlacementAsk(pol, n, hit, mine, count, u, b, a, False, history, interval=interval, min_gain=gain))
+        )
         for p in sorted(mine):
             if p > hit and not any(j < i and p <= shared[j] and q == p for j, q in written):  # a new state
                 written.append((i, p))

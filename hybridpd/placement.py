@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -198,25 +199,33 @@ def interval_positions(cands: Sequence[int], interval: int) -> tuple[int, ...]:
     return tuple(p for p in cands if interval > 0 and p % interval == 0)
 
 
-def place(
-    policy: str,
-    num_tokens: int,
-    hit: int,
-    fixed: Iterable[int],
-    count: int,
-    unit: int,
-    mamba_block_size: int,
-    alignment: int | None,
-    drop_eagle_block: bool,
-    history: DivergenceHistory | None = None,
-    compute: ComputeModel = LINEAR_ONLY,
-    interval: int = 0,
-    min_gain: float = 0.0,
-    step_tokens: int = 0,
-    known: int = 0,
-    staged: bool = False,
-) -> tuple[int, ...]:
-    """The positions ``policy`` (:data:`PLACEMENTS`) places for a prefill of
+@dataclass(frozen=True, slots=True)
+class PlacementAsk:
+    """One placement question (``place``): a prefill of ``[hit, num_tokens)`` under
+    ``policy`` that writes the checkpoints in ``fixed`` anyway, at most ``count``
+    placed, on the engine's checkpoint geometry (``unit``, ``mamba_block_size``,
+    ``alignment``, ``drop_eagle_block``); the rest tune ``value`` and ``interval``."""
+
+    policy: str
+    num_tokens: int
+    hit: int
+    fixed: tuple[int, ...]
+    count: int
+    unit: int
+    mamba_block_size: int
+    alignment: int | None
+    drop_eagle_block: bool
+    history: DivergenceHistory | None = None
+    compute: ComputeModel = LINEAR_ONLY
+    interval: int = 0
+    min_gain: float = 0.0
+    step_tokens: int = 0
+    known: int = 0
+    staged: bool = False
+
+
+def place(ask: PlacementAsk) -> tuple[int, ...]:
+    """The positions ``ask.policy`` (:data:`PLACEMENTS`) places for a prefill of
     ``[hit, num_tokens)`` that writes the checkpoints in ``fixed`` anyway
     (requested ones; the hit and the tail are added here), ascending, at most
     ``count`` (``interval``: every multiple, the deepest :data:`MAX_PLACED`),
@@ -229,6 +238,15 @@ def place(
     none unless one later sharer is expected, so a stream that shares nothing
     stops paying steps after its first prompt. Native (no step, bounded
     bytes): the value for one sharer decides."""
+    policy, num_tokens, hit, fixed, count = ask.policy, ask.num_tokens, ask.hit, ask.fixed, ask.count
+    unit, mamba_block_size, alignment, drop_eagle_block = (
+        ask.unit,
+        ask.mamba_block_size,
+        ask.alignment,
+        ask.drop_eagle_block,
+    )
+    history, compute, interval, min_gain = ask.history, ask.compute, ask.interval, ask.min_gain
+    step_tokens, known, staged = ask.step_tokens, ask.known, ask.staged
     if policy not in PLACEMENTS:
         raise ValueError("unknown placement %r (have %s)" % (policy, ", ".join(PLACEMENTS)))
     if policy == "off" or (count <= 0 and policy != "interval"):

@@ -14,7 +14,7 @@ from hybridpd.config import HybridPDConfig
 from hybridpd.divergence import DivergenceHistory
 from hybridpd.engine.base import EngineRequest
 from hybridpd.engine.profile import EngineProfile
-from hybridpd.placement import place, worth_a_step
+from hybridpd.placement import PlacementAsk, place, worth_a_step
 from services.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -82,21 +82,23 @@ class PrefillCheckpoints:
         requested = requested_checkpoints(req.checkpoints, hit, n, u, b, a, drop, cfg.max_extra_checkpoints)
         try:  # NOTE: on the event loop: O(1) candidates, a DP over at most 192 of them (ms)
             placed = place(
-                cfg.checkpoint_placement,
-                n,
-                hit,
-                requested,
-                cfg.placement_checkpoints,
-                u,
-                b,
-                a,
-                drop,
-                self.divergence,
-                interval=cfg.placement_interval,
-                min_gain=cfg.placement_min_gain,
-                step_tokens=cfg.vllm_stage_tokens if profile.staged else 0,
-                known=known,
-                staged=profile.staged,
+                PlacementAsk(
+                    policy=cfg.checkpoint_placement,
+                    num_tokens=n,
+                    hit=hit,
+                    fixed=tuple(requested),
+                    count=cfg.placement_checkpoints,
+                    unit=u,
+                    mamba_block_size=b,
+                    alignment=a,
+                    drop_eagle_block=drop,
+                    history=self.divergence,
+                    interval=cfg.placement_interval,
+                    min_gain=cfg.placement_min_gain,
+                    step_tokens=cfg.vllm_stage_tokens if profile.staged else 0,
+                    known=known,
+                    staged=profile.staged,
+                )
             )
         except Exception:  # placement is an optimisation: never fail a request for it
             logger.exception("checkpoint placement failed for a %d-token prompt; placing none", n)

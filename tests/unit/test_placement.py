@@ -18,6 +18,7 @@ from hybridpd.engine.native.model_config import HybridModelConfig
 from hybridpd.engine.native.state_cache import StateCache
 from hybridpd.hashing import BlockHash
 from hybridpd.placement import (
+    PlacementAsk,
     candidates,
     geometric_positions,
     interval_positions,
@@ -101,9 +102,9 @@ def test_a_concentrated_history_places_only_what_pays() -> None:
     h = DivergenceHistory()
     for _ in range(200):
         h.observe(3000, 2965, 16)
-    assert len(place("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.0)) == 4
-    assert place("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.05) == (1952,)
-    assert place("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.99) == ()
+    assert len(place(PlacementAsk("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.0))) == 4
+    assert place(PlacementAsk("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.05)) == (1952,)
+    assert place(PlacementAsk("value", 2000, 0, (), 4, 16, 16, 16, False, h, min_gain=0.99)) == ()
 
 
 def test_the_prior_alone_places_along_the_prompt_and_seen_divergences_pull_to_them() -> None:
@@ -111,13 +112,13 @@ def test_the_prior_alone_places_along_the_prompt_and_seen_divergences_pull_to_th
     xs = np.arange(0, 2001, 16, dtype=np.float64)
     cdf = h.depth_cdf(2000, 0, 16, xs)
     assert cdf[0] == 0.0 and np.all(np.diff(cdf) >= 0) and cdf[-1] == 1.0
-    prior = place("value", 2000, 0, (), 2, 16, 16, 16, False, h)
+    prior = place(PlacementAsk("value", 2000, 0, (), 2, 16, 16, 16, False, h))
     assert len(prior) == 2 and all(0 < p < 1984 for p in prior)
     for _ in range(40):
         h.observe(3000, 2965, 16)  # suffixes of 35 tokens
     h.observe(3000, 8, 16)  # below a unit: no divergence seen
     assert len(h) == 40
-    seen = place("value", 2000, 0, (), 2, 16, 16, 16, False, h)
+    seen = place(PlacementAsk("value", 2000, 0, (), 2, 16, 16, 16, False, h))
     assert max(seen) == 1952 > max(prior)  # the deepest state at or below 2000 - 35
 
 
@@ -127,7 +128,7 @@ def test_every_placed_position_is_one_the_engine_writes() -> None:
         n, hit = rng.randint(20, 3000), rng.choice([0, 16, 64, 128])
         b, a, eagle = rng.choice([16, 64]), rng.choice([16, 32]), rng.random() < 0.5
         for policy in ("value", "geometric", "interval"):
-            got = place(policy, n, hit, (), 4, 16, b, a, eagle, interval=256)
+            got = place(PlacementAsk(policy, n, hit, (), 4, 16, b, a, eagle, interval=256))
             assert placed_checkpoints(got, hit, n, 16, b, a, eagle) == got
             assert all(is_extra_checkpoint_valid(hit, n, p, 16, b, a) for p in got)
 
@@ -137,17 +138,17 @@ def test_simple_rules_and_bad_policy() -> None:
     assert cands[0] == 16 and cands[-1] == 976 and len(cands) == 61
     assert geometric_positions(cands, 992, 3, 16) == (864, 928, 960)
     assert interval_positions(cands, 256) == (256, 512, 768)
-    assert place("off", 1000, 0, (), 4, 16, 16, 16, False) == ()
-    assert place("value", 1000, 0, (), 4, 16, 16, None, False) == ()  # the kernel cannot export
+    assert place(PlacementAsk("off", 1000, 0, (), 4, 16, 16, 16, False)) == ()
+    assert place(PlacementAsk("value", 1000, 0, (), 4, 16, 16, None, False)) == ()  # the kernel cannot export
     with pytest.raises(ValueError, match="unknown placement"):
-        place("everywhere", 1000, 0, (), 4, 16, 16, 16, False)
+        place(PlacementAsk("everywhere", 1000, 0, (), 4, 16, 16, 16, False))
     long = candidates(0, 100_000, 16, 16, 16, False)
     assert len(long) == 6248 and long[-1] == 99_968
     dp = thinned(long)
     assert len(dp) == 192 and dp[-96:] == list(long[-96:]) and dp[0] == 16  # the deepest kept densely
     # the simple rules see every position, however long the prompt
-    assert place("interval", 100_000, 0, (), 1, 16, 16, 16, False, interval=1024)[-1] == 99_328
-    assert place("geometric", 100_000, 0, (), 3, 16, 16, 16, False) == (99_856, 99_920, 99_952)
+    assert place(PlacementAsk("interval", 100_000, 0, (), 1, 16, 16, 16, False, interval=1024))[-1] == 99_328
+    assert place(PlacementAsk("geometric", 100_000, 0, (), 3, 16, 16, 16, False)) == (99_856, 99_920, 99_952)
     # candidates equal the validity rule's, position by position (the range is exact)
     for hit, n, b in ((0, 300, 64), (32, 300, 64), (64, 200, 64), (48, 1000, 16), (16, 40, 64)):
         want = [p for p in range(hit + 16, n) if p < checkpoint_position(n, 16, False)]
@@ -233,7 +234,7 @@ def test_a_step_per_checkpoint_is_paid_by_the_sharers_expected() -> None:
     value for one sharer's (native)."""
 
     def count(h: DivergenceHistory, n: int, step: int = 128) -> int:
-        return len(place("value", n, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=step))
+        return len(place(PlacementAsk("value", n, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=step)))
 
     one, four, rare = _history(1, 2), _history(3, 1), _history(0, 5)
     assert (one.share(), one.followers()) == (0.5, 1.0) and rare.followers() < 0.25 < 3.9 < four.followers()
@@ -251,14 +252,18 @@ def test_where_steps_cost_a_stream_that_shares_nothing_stops_being_placed() -> N
     counts, free = [], []
     for _ in range(12):
         h.observe(4096, 0, 16)
-        counts.append(len(place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=16)))
-        free.append(len(place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05)))
+        counts.append(
+            len(place(PlacementAsk("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=16)))
+        )
+        free.append(len(place(PlacementAsk("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05))))
     assert counts[0] == 2 and counts[-1] == 0 and counts == sorted(counts, reverse=True)
     assert free == [2] * 12
     assert h.share() == 1 / 13 and len(h) == 0 and DivergenceHistory().followers() == 8.0
-    staged = {k: place("value", 4096, 0, (), 2, 16, 16, 16, False, h, known=k, staged=True) for k in (0, 2048)}
+    staged = {
+        k: place(PlacementAsk("value", 4096, 0, (), 2, 16, 16, 16, False, h, known=k, staged=True)) for k in (0, 2048)
+    }
     assert staged[0] == () and len(staged[2048]) == 2  # staged (vLLM): one later sharer expected, or none
     for _ in range(12):
         h.observe(4096, 2048, 16)
     assert h.share() == 13 / 25 and len(h) == 12
-    assert place("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=16) != ()
+    assert place(PlacementAsk("value", 4096, 0, (), 2, 16, 16, 16, False, h, min_gain=0.05, step_tokens=16)) != ()
