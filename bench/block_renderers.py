@@ -186,8 +186,10 @@ def dropping(module: str, *prefixes: str) -> Callable[[dict[str, Any]], str]:
 
 
 def variants_table(module: str) -> Callable[[dict[str, Any]], str]:
+    """The module's main table (its other tables: the run's ``.md``), each variant's
+    TTFT against the baselines of the same run, and the notes."""
     md = module_markdown(module)
-    return lambda out: md(out) + _vs_lines(out) + _notes(out)
+    return lambda out: md(out).split("\n\n", 1)[0].rstrip("\n") + "\n" + _vs_lines(out) + _notes(out)
 
 
 def shared_prefix(out: dict[str, Any]) -> str:

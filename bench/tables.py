@@ -70,7 +70,6 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
     "overhead": ("overhead.json", module_markdown("bench.overhead")),
     "vllm-client-pd-quick": ("vllm_client_pd_quick.json", vllm_client),
     "router": ("router.json", dropping("bench.router", "CPU time")),
-    "serving-path-ab": ("ab-issue50.json", module_markdown("bench.ab")),
     "index-scale": ("index_scale_quick.json", dropping("bench.index_scale", "Encodings", "Ingestion")),
     "hashing": ("hashing.json", module_markdown("bench.hashing")),
     "engine": ("engine.json", dropping("bench.engine", "| k ")),
@@ -82,7 +81,7 @@ BLOCKS: dict[str, tuple[str, Callable[[dict[str, Any]], str]]] = {
 
 
 #: blocks whose module's ``markdown`` renders its checks itself (as a budget table)
-RENDER_OWN_CHECKS = frozenset({"router", "overhead", "index-scale", "serving-path-ab"})
+RENDER_OWN_CHECKS = frozenset({"router", "overhead", "index-scale"})
 
 
 def _by_kind(out: dict[str, Any]) -> dict[str, list[str]]:
