@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from hybridpd.engine.vllm.environment import DEFAULT_KV_CACHE_BYTES
 from hybridpd.hashing import HashAlgo, default_seed
 
 
@@ -161,6 +162,21 @@ class CheckpointFields(BaseModel):
         " hybridpd_answer_checkpoint).",
     )
     num_kv_blocks: int = Field(4096, ge=16, le=1 << 24, description="Attention KV blocks per engine.")
+    vllm_kv_cache_memory_bytes: int = Field(
+        DEFAULT_KV_CACHE_BYTES,
+        ge=1,
+        le=1 << 50,
+        description="vLLM's KV and state space per engine, bytes (vllm engine; vLLM's kv_cache_memory_bytes:"
+        " attention KV and Mamba states share its pages).",
+    )
+    vllm_kv_cache_blocks: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 24,
+        description="vLLM's KV and state space per engine in pages, whatever vllm_kv_cache_memory_bytes says"
+        " (vllm engine; vLLM's num_gpu_blocks_override): a page's bytes depend on the CPU, a page count does"
+        " not. null: by bytes.",
+    )
     max_num_batched_tokens: int = Field(512, ge=16, le=1 << 20, description="Prefill token budget per step.")
     max_num_seqs: int = Field(64, ge=1, le=4096, description="Running requests per engine.")
 

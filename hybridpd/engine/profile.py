@@ -186,6 +186,10 @@ def native_profile(cfg: HybridPDConfig) -> EngineProfile:
         default_dtype="float32",
         speculative_methods=frozenset({"eagle"}),
         auto_cpu_split=False,
+        unread_config=(
+            ("vllm_kv_cache_memory_bytes", "num_kv_blocks and state_cache_mb size the native engine's caches"),
+            ("vllm_kv_cache_blocks", "num_kv_blocks and state_cache_mb size the native engine's caches"),
+        ),
     )
 
 
@@ -217,7 +221,7 @@ def vllm_profile(cfg: HybridPDConfig) -> EngineProfile:
         keyed_hash_seed=False,
         package="vllm",
         unread_config=(
-            ("num_kv_blocks", "vLLM sizes its KV cache itself (kv_cache_memory_bytes, HYBRIDPD_VLLM_KV_CACHE_BLOCKS)"),
+            ("num_kv_blocks", "vllm_kv_cache_memory_bytes or vllm_kv_cache_blocks sizes vLLM's KV and state space"),
             ("state_cache_mb", "vLLM keeps recurrent states in its own Mamba cache"),
             ("handoff_timeout_s", "vLLM's NixlConnector frees unread handoffs on its own timeout"),
             ("checkpoint_alignment", "vLLM checkpoints at unit boundaries (its geometry is u, u, u)"),

@@ -199,3 +199,28 @@ def test_a_field_the_engine_does_not_read_is_refused_not_ignored() -> None:
         with pytest.raises(ConfigError, match="the vllm engine does not read it"):
             load_config(env={}, overrides={"engine": "vllm", name: value})
         assert getattr(load_config(env={}, overrides={name: value}), name) == value  # the native engine reads it
+
+
+def test_vllms_kv_space_is_a_config_field_the_native_engine_refuses() -> None:
+    """#53: vLLM's KV and state space comes from the config (its default is the vLLM
+    engine's ``DEFAULT_KV_CACHE_BYTES``), is validated like every field, and is
+    refused, not ignored, by the native engine (its profile's ``unread_config``)."""
+    from hybridpd.engine.profile import profile_of
+    from hybridpd.engine.vllm.environment import DEFAULT_KV_CACHE_BYTES
+
+    cfg = load_config(env={}, overrides={"engine": "vllm"})
+    assert cfg.vllm_kv_cache_memory_bytes == DEFAULT_KV_CACHE_BYTES and cfg.vllm_kv_cache_blocks is None
+    env = {"HYBRIDPD_VLLM_KV_CACHE_MEMORY_BYTES": str(3 << 29), "HYBRIDPD_VLLM_KV_CACHE_BLOCKS": "40"}
+    cfg = load_config(env=env, overrides={"engine": "vllm"})
+    assert (cfg.vllm_kv_cache_memory_bytes, cfg.vllm_kv_cache_blocks) == (3 << 29, 40)
+    by_bytes = load_config(env={}, overrides={"engine": "vllm", "vllm_kv_cache_blocks": "none"})
+    assert by_bytes.vllm_kv_cache_blocks is None
+    for name, bad in (("vllm_kv_cache_memory_bytes", 0), ("vllm_kv_cache_blocks", 0), ("vllm_kv_cache_blocks", "x")):
+        with pytest.raises(ConfigError, match=name):
+            load_config(env={}, overrides={"engine": "vllm", name: bad})
+    native = dict(profile_of(load_config(env={})).unread_config)
+    assert set(native) == {"vllm_kv_cache_memory_bytes", "vllm_kv_cache_blocks"}
+    for name, value in (("vllm_kv_cache_memory_bytes", 2 << 30), ("vllm_kv_cache_blocks", 40)):
+        with pytest.raises(ConfigError, match="the native engine does not read it"):
+            load_config(env={}, overrides={name: value})
+    assert load_config(env={}, overrides={"vllm_kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES})  # the default passes

@@ -31,6 +31,15 @@ def test_caching_and_hybrid_settings_map_onto_vllm() -> None:
     assert off["enable_prefix_caching"] is False and "mamba_cache_mode" not in off
 
 
+def test_the_kv_space_comes_from_the_config() -> None:
+    """vLLM's KV and state space: ``vllm_kv_cache_memory_bytes`` always, plus a page
+    count where ``vllm_kv_cache_blocks`` is set (no environment variable is read)."""
+    kw = engine_kwargs(_cfg(), MODEL, "prefill")
+    assert kw["kv_cache_memory_bytes"] == 1 << 30 and "num_gpu_blocks_override" not in kw
+    kw = engine_kwargs(_cfg(vllm_kv_cache_memory_bytes=3 << 29, vllm_kv_cache_blocks=40), MODEL, "decode")
+    assert kw["kv_cache_memory_bytes"] == 3 << 29 and kw["num_gpu_blocks_override"] == 40
+
+
 def test_roles_get_nixl_producer_consumer_and_store() -> None:
     cfg = _cfg()
     assert kv_transfer_config(cfg, "local") is None

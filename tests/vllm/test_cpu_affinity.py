@@ -6,7 +6,9 @@ computes on that thread's successors, so without the fix every prefill and decod
 engine of a machine runs on one core. Checked on a prefill engine (NixlConnector) in a
 fresh process: the building thread and a thread started afterwards (as the engine loop
 is) may run on every CPU the process had, or on the prefill half of them under
-``cpu_binding: split`` (``procs.bind_role_cpus``, from ``make_engine``).
+``cpu_binding: split`` (``procs.bind_role_cpus``, from ``make_engine``). The same
+engine, built and closed, leaves none of the variables it sets for vLLM's build in the
+environment (``engine/vllm/environment.py``).
 """
 
 from __future__ import annotations
@@ -24,20 +26,19 @@ pytestmark = pytest.mark.integration
 def _affinity_worker(q_out, binding: str) -> None:  # type: ignore[no-untyped-def]
     from hybridpd.config import load_config
     from hybridpd.engine.factory import make_engine
-    from hybridpd.procs import free_port
     from tests.vllm.workers import BASE
 
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(free_port())
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = "127.0.0.1"
     given = sorted(os.sched_getaffinity(0))
+    environ = dict(os.environ)  # no NIXL side-channel port given: the engine's build picks one
     eng = make_engine(load_config(env={}, overrides={**BASE, "cpu_binding": binding}), "prefill", instance="affinity")
     seen: list[list[int]] = []
     t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
     t.start()
     t.join()
-    q_out.put({"given": given, "after": sorted(os.sched_getaffinity(0)), "new_thread": seen[0]})
+    got = {"given": given, "after": sorted(os.sched_getaffinity(0)), "new_thread": seen[0]}
     eng.close()
+    changed = {k for k in {*environ, *os.environ} if environ.get(k) != os.environ.get(k)}
+    q_out.put({**got, "environ_changed": {k: (environ.get(k), os.environ.get(k)) for k in sorted(changed)}})
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one CPU: a pin to one core changes nothing")
@@ -52,3 +53,8 @@ def test_prefill_engine_keeps_the_cpus_it_was_given(binding: str) -> None:
     print(got)
     want = got["given"] if binding == "off" else split_cpus(got["given"])[0]
     assert got["after"] == want and got["new_thread"] == want
+    # #53: the variables the engine sets for vLLM's build are gone once it is built and closed;
+    # what vLLM writes itself (its CPU platform: threads, LD_PRELOAD, ...) is vLLM's
+    from hybridpd.engine.vllm.environment import MANAGED
+
+    assert not set(got["environ_changed"]) & set(MANAGED), got["environ_changed"]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -42,7 +41,6 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from hybridpd.engine.vllm.environment import KV_CACHE_BLOCKS_ENV
 from tests.e2e.conftest import Stack
 
 #: where the full measurement (``main``) writes its counts
@@ -52,6 +50,7 @@ MAX_MODEL_LEN = 2560
 ARGS = [
     *("--engine", "vllm", "--model", "tiny", "--dtype", "bfloat16"),
     *("--max-model-len", str(MAX_MODEL_LEN), "--max-num-batched-tokens", str(MAX_MODEL_LEN)),
+    *("--vllm-kv-cache-blocks", str(KV_BLOCKS)),
 ]
 TEST_REQUESTS = 60
 #: the share of requests pinned to a random prefill instance (the rest are routed)
@@ -127,9 +126,8 @@ def run(stack: Stack, count: int, seed: int) -> dict[str, Any]:
 
 
 def start_stack(workdir: Path) -> Stack:
-    """The stack with a small KV space in every engine (``VllmEngine`` reads
-    ``KV_CACHE_BLOCKS_ENV``, which the caller sets, from the environment the actors
-    inherit); stopped again if the space did not take effect."""
+    """The stack with a small KV space in every engine (``--vllm-kv-cache-blocks``);
+    stopped again if the space did not take effect."""
     stack = Stack(workdir, ARGS, start_timeout_s=900)
     stack.start()
     try:
@@ -142,8 +140,7 @@ def start_stack(workdir: Path) -> Stack:
     return stack
 
 
-def test_vllm_index_promises_are_kept(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setenv(KV_CACHE_BLOCKS_ENV, str(KV_BLOCKS))
+def test_vllm_index_promises_are_kept(tmp_path: Path) -> None:
     stack = start_stack(tmp_path)
     try:
         got = run(stack, TEST_REQUESTS, seed=11)
@@ -162,8 +159,6 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=RESULTS_JSON)
     args = ap.parse_args()
     from bench import provenance
-
-    os.environ[KV_CACHE_BLOCKS_ENV] = str(KV_BLOCKS)
 
     with provenance.record(uses_vllm=True) as prov, tempfile.TemporaryDirectory(prefix="hybridpd-promises-") as tmp:
         stack = start_stack(Path(tmp))

@@ -70,7 +70,7 @@ CTX = mp.get_context("spawn")
 INSTANCE = "prefill-0"
 MAX_MODEL_LEN = 2560
 #: spaces are in pages (every group's block is one page: a Mamba state, or as many attention
-#: tokens as its bytes hold; the bytes depend on the CPU: ``KV_CACHE_BLOCKS_ENV``)
+#: tokens as its bytes hold; the bytes depend on the CPU: ``vllm_kv_cache_blocks``)
 #: the smallest space vLLM accepts at this max_model_len with 384-token pages: 7 attention blocks for 2,560 tokens,
 #: 2 per Mamba group for the three groups and the null page (13 refused: "To serve at least
 #: one request with the model's max seq len ...")

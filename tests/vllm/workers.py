@@ -513,7 +513,8 @@ def truth_prefill_worker(  # type: ignore[no-untyped-def]
 
     if forward_store:
         forward_store_events()
-    eng = _engine("prefill", overrides, side_port, cache_events=True, kv_cache_blocks=kv_blocks, store=store)
+    blocks = {**overrides, "vllm_kv_cache_blocks": kv_blocks}
+    eng = _engine("prefill", blocks, side_port, cache_events=True, store=store)
     feed = eng.feed
     assert feed is not None
     probe = TruthProbe(eng)

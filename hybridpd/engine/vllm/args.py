@@ -173,11 +173,15 @@ def engine_kwargs(
     role: Role,
     *,
     kv_events_endpoint: str | None = None,
-    kv_cache_memory_bytes: int | None = None,
     store: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments for ``vllm.engine.arg_utils.EngineArgs``.
 
+    vLLM's KV and state space is ``vllm_kv_cache_memory_bytes``
+    (``kv_cache_memory_bytes``), or ``vllm_kv_cache_blocks`` pages when set
+    (``num_gpu_blocks_override``: vLLM allocates exactly that many, whatever the
+    bytes say; vLLM 0.32's pages of the tiny Qwen3-Next are 640 tokens, 320 KiB
+    on a CPU with AVX512-BF16 and 384 tokens, 192 KiB on one without).
     ``kv_events_endpoint`` (e.g. ``tcp://127.0.0.1:5557``) turns on vLLM's ZMQ
     KV-cache events, which ``hybridpd.engine.vllm.kv_events`` mirrors into the
     prefix index. Under ``checkpoint_policy: branch-aware``
@@ -206,8 +210,9 @@ def engine_kwargs(
         kw["mamba_cache_mode"] = "align"
         kw["prefix_match_unit"] = cfg.prefix_match_unit
         kw["prefix_cache_retention_interval"] = cfg.vllm_retention_interval
-    if kv_cache_memory_bytes is not None:
-        kw["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+    kw["kv_cache_memory_bytes"] = cfg.vllm_kv_cache_memory_bytes
+    if cfg.vllm_kv_cache_blocks is not None:
+        kw["num_gpu_blocks_override"] = cfg.vllm_kv_cache_blocks
     transfer = kv_transfer_config(cfg, role, store)
     if transfer is not None:
         kw["kv_transfer_config"] = transfer

@@ -1,9 +1,9 @@
 """The vLLM a ``VllmEngine`` drives: ``VllmCore``, its base.
 
 It starts vLLM's ``LLMEngine`` with its engine core in this process
-(``enable_multiprocessing=False``), with our environment (``environment.py``)
-and engine arguments (``args.py``) and vLLM's defaults patched
-(``patches.py``), then reads back what vLLM made of them: its KV-cache
+(``enable_multiprocessing=False``), with the variables vLLM reads set for the
+build only (``environment.py``), our engine arguments (``args.py``) and vLLM's
+defaults patched (``patches.py``), then reads back what vLLM made of them: its KV-cache
 groups, its hit rules, whether it checkpoints junctions itself, and what its
 caches hold for a prompt (its own lookups, no side effects). It hands requests
 to vLLM; what they are and when is ``engine.py``'s. Every internal it reads is
@@ -13,7 +13,6 @@ named in ``internals.py``.
 from __future__ import annotations
 
 import logging
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,14 @@ from typing import Any
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, PoolStats, SpecStats
 from hybridpd.engine.vllm import environment
-from hybridpd.engine.vllm.args import SHARED_PREFIX_OPTION, Role, check_dtype, engine_kwargs, log_once
+from hybridpd.engine.vllm.args import (
+    SHARED_PREFIX_OPTION,
+    Role,
+    check_dtype,
+    engine_kwargs,
+    log_once,
+    mooncake_config,
+)
 from hybridpd.engine.vllm.internals import check_version, require
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import (
@@ -49,50 +55,40 @@ class VllmCore:
         *,
         instance: str = "local",
         cache_events: bool = False,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_blocks: int | None = None,
         store: tuple[str, str] | None = None,
     ) -> None:
         """``cache_events``: vLLM publishes its KV-cache events (ZMQ, a machine-local
         socket) and ``feed`` translates them; ``store``: (Mooncake master, metadata URL)
         for a prefill engine's shared prefix store (MooncakeStoreConnector beside the
-        NixlConnector). ``instance`` names the worker in logs. ``kv_cache_memory_bytes``
-        and ``kv_cache_blocks``: vLLM's KV and state space in bytes and in pages
-        (``environment.kv_cache_bytes``, ``environment.kv_cache_blocks``); with a page
-        count vLLM allocates exactly that many pages, whatever the bytes say."""
+        NixlConnector). ``instance`` names the worker in logs. vLLM's KV and state space
+        is ``cfg.vllm_kv_cache_memory_bytes``, or ``cfg.vllm_kv_cache_blocks`` pages
+        whatever the bytes say. The variables vLLM reads are set for the build only
+        (``environment.build_environment``)."""
         import vllm
 
         check_version(vllm.__version__)  # its internals are read below (internals.py)
         check_dtype(cfg, model_dir)
         events_endpoint = kv_events_endpoint() if cache_events else None
-        environment.in_process(events_endpoint is not None)
-        kv_cache_memory_bytes = environment.kv_cache_bytes(cfg, kv_cache_memory_bytes)
         with_store = store is not None and role == "prefill"
-        #: the folder of MooncakeStoreConnector's config file (removed by ``close``)
-        self._tmpdir = environment.mooncake_config_dir(*store) if store is not None and with_store else None
-        if role != "local":
-            environment.nixl_side_channel()
-            nixl_without_progress_thread()
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
 
         self.cfg = cfg
         self.role = role
         self.model_dir = model_dir
-        kw = engine_kwargs(
-            cfg,
-            model_dir,
-            role,
-            kv_events_endpoint=events_endpoint,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            store=with_store,
-        )
-        kv_cache_blocks = environment.kv_cache_blocks(kv_cache_blocks)
-        if kv_cache_blocks is not None:
-            kw["num_gpu_blocks_override"] = kv_cache_blocks
+        kw = engine_kwargs(cfg, model_dir, role, kv_events_endpoint=events_endpoint, store=with_store)
         logger.info("%s: starting vLLM (%s) with %s", instance, role, kw)
-        with one_gloo_device(), kept_cpu_affinity():
+        if role != "local":
+            nixl_without_progress_thread()
+        build = environment.build_environment(
+            cfg.vllm_kv_cache_memory_bytes,
+            side_channel=role != "local",
+            mooncake=mooncake_config(*store) if store is not None and with_store else None,
+        )
+        with build, one_gloo_device(), kept_cpu_affinity():
             self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
+        if events_endpoint is not None:
+            environment.check_event_hashes()
         #: whether vLLM checkpoints junctions at their exact position (its scheduler's
         #: narrowed ``enable_mamba_shared_prefix_checkpoint``; None: no in-process scheduler)
         self.shared_prefix_checkpoint: bool | None = None
@@ -286,9 +282,6 @@ class VllmCore:
             self.engine.engine_core.shutdown()
         except Exception:  # already down
             logger.debug("vLLM shutdown failed", exc_info=True)
-        if self._tmpdir is not None:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
 
 
 def _store_scheduler(connector: Any) -> Any:

@@ -104,8 +104,6 @@ class VllmEngine(VllmCore):
         *,
         instance: str = "local",
         cache_events: bool = False,
-        kv_cache_memory_bytes: int | None = None,
-        kv_cache_blocks: int | None = None,
         store: tuple[str, str] | None = None,
     ) -> None:
         """Start vLLM (``VllmCore``: the arguments are its); ``pop_cache_events``
@@ -116,8 +114,6 @@ class VllmEngine(VllmCore):
             role,
             instance=instance,
             cache_events=cache_events,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            kv_cache_blocks=kv_cache_blocks,
             store=store,
         )
         self.live: dict[str, _Live] = {}
