@@ -107,7 +107,11 @@ def replay(
         pol = "off" if policy == "tail+junction" else ("interval" if policy.startswith("interval") else policy)
         count, gain = r.placement_checkpoints, r.placement_min_gain
         mine |= set(
-            place(PlacementAsk(pol, n, hit, mine, count, u, b, a, False, history, interval=interval, min_gain=gain))
+            place(
+                PlacementAsk(
+                    pol, n, hit, tuple(sorted(mine)), count, u, b, a, False, history, interval=interval, min_gain=gain
+                )
+            )
         )
         for p in sorted(mine):
             if p > hit and not any(j < i and p <= shared[j] and q == p for j, q in written):  # a new state

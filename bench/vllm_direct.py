@@ -21,9 +21,9 @@ import httpx
 from hybridpd.errors import UnavailableError
 from hybridpd.procs import free_port
 
-#: the KV and state space of every vLLM baseline server, in GiB (``VLLM_CPU_KVCACHE_SPACE``;
-#: the environment's own value wins): what our vLLM engine gets by default
-#: (``hybridpd.engine.vllm`` ``DEFAULT_KV_CACHE_BYTES``), so both sides run on one KV budget
+#: the KV and state space of every vLLM baseline server, in GiB (``VLLM_CPU_KVCACHE_SPACE``,
+#: whatever the environment says): what our vLLM engine gets by default (the config's
+#: ``vllm_kv_cache_memory_bytes``), so both sides run on one KV budget
 KV_CACHE_GIB = 1
 
 
@@ -152,7 +152,7 @@ class VllmServer:
         """Start ``vllm serve`` (returns at once; :meth:`wait_ready` waits for it)."""
         env = {
             **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB)),
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
             **self.env,
         }
         with open(self.log, "w") as out:

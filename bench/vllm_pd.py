@@ -158,7 +158,7 @@ class VllmPd:
                 json.dumps(KV_TRANSFER_CONFIG),
                 list(self.cpus[0]),
                 list(self.cpus[1]),
-                os.environ.get("VLLM_CPU_KVCACHE_SPACE", str(KV_CACHE_GIB)),
+                KV_CACHE_GIB,
                 "on (as vLLM ships)" if self.nixl_progress_thread else "off",
             )
         )

@@ -42,9 +42,7 @@ def test_an_actor_failing_at_startup_ends_up_with_its_error(tmp_path: Path) -> N
         ports[3],
     ]
     t0 = time.monotonic()
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=180, env=dict(os.environ)
-    )
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=180, env=dict(os.environ))
     elapsed = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-4000:]
@@ -69,9 +67,7 @@ def test_a_port_taken_by_another_process_fails_before_the_ready_banner(tmp_path:
         ports[taken] = str(holder.getsockname()[1])
         argv = [str(Path(sys.executable).parent / "hybridpd"), "up", "--workdir", str(tmp_path / "wd")]
         argv += [*(x for kv in ports.items() for x in kv), "--ray-metrics-port", str(free_port())]
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=300, env=dict(os.environ)
-        )
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "Press Ctrl-C" not in out, out[-4000:]

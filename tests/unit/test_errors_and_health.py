@@ -251,4 +251,5 @@ def test_routing_leaves_out_a_draining_instance_while_another_serves() -> None:
     assert orch.dispatch.liveness.routable(["prefill-0", "prefill-1"]) == ["prefill-1"]
     p1.draining = d1.draining = True
     assert asyncio.run(orch.dispatch.liveness._ping_all(1.0)) == ["prefill", "decode"]  # not ready
-    assert orch.dispatch.liveness.routable(["prefill-0", "prefill-1"]) == ["prefill-0", "prefill-1"]  # they refuse: a 503
+    # they refuse: a 503
+    assert orch.dispatch.liveness.routable(["prefill-0", "prefill-1"]) == ["prefill-0", "prefill-1"]

@@ -60,7 +60,7 @@ pytest.importorskip("vllm")
 
 from hybridpd.config import load_config
 from hybridpd.hashing import BlockHash, BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import free_port
 from hybridpd.store.master import MooncakeMaster
@@ -185,7 +185,7 @@ class Harness:
     # -- one request ------------------------------------------------------------------
     def run(self, rid: str, kind: str, toks: list[int], salt: str | None) -> dict[str, Any]:
         n = len(toks)
-        self.index.heartbeat(INSTANCE, InstanceLoad())
+        self.index.heartbeat(INSTANCE)
         res = self.index.lookup(self.hasher.chain(toks, cache_salt=salt), n - self.backoff, self.u, False)
         local, store = res.instance_hits.get(INSTANCE, 0), res.store_hit
         self.qp_in.put(("prefill", rid, toks, salt))
@@ -245,7 +245,7 @@ class Harness:
 
     def check(self, step: str) -> None:
         """Every claim the index makes along every prompt sent so far, against vLLM and the store."""
-        self.index.heartbeat(INSTANCE, InstanceLoad())
+        self.index.heartbeat(INSTANCE)
         kv, st = self.index.local_entries(INSTANCE)
         queries: list[tuple[str, list[int], str | None, int]] = []
         claims: list[tuple[str, int, int, int]] = []  # (what, query index, claimed, prompt index)

@@ -15,7 +15,7 @@ pytest.importorskip("vllm")
 
 from hybridpd.config import load_config
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from tests.vllm.workers import events_worker
 
@@ -50,7 +50,7 @@ def test_index_fed_by_kv_events_predicts_vllm_hits(tmp_path: Path) -> None:
         feed = first["feed"]
         assert feed["mismatches"] == 0 and feed["published_kv"] > 0 and feed["published_states"] > 0, feed
         index = PrefixIndex(redis.url, first["model_id"])
-        index.heartbeat("vllm-0", InstanceLoad())
+        index.heartbeat("vllm-0")
         predicted = index.lookup(hasher.chain(grown, cache_salt="t1"), len(grown), u, False).instance_hits["vllm-0"]
         other_tenant = index.lookup(hasher.chain(grown, cache_salt="t2"), len(grown), u, False).instance_hits
         assert other_tenant.get("vllm-0", 0) == 0  # the salt isolates in the index too

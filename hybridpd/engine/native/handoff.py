@@ -188,9 +188,7 @@ class FetchedHandoff(HandoffTicket):
 class HandoffTransport:
     """The NIXL side of one engine: offers (prefill), fetches (decode), faults, stats."""
 
-    def __init__(
-        self, instance: str, timeout_s: float, device: str, unit: int = 0, key: IntegrityKey = PUBLIC
-    ) -> None:
+    def __init__(self, instance: str, timeout_s: float, device: str, unit: int = 0, key: IntegrityKey = PUBLIC) -> None:
         self.instance = instance
         self.key = key  # the deployment key the descriptors are tagged and checked with
         self.unit = unit  # KV rows per checksummed chunk (one block); 0: whole buffers
