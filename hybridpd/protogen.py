@@ -25,7 +25,7 @@ def generate(out_dir: Path) -> None:
 
     NOTE: protoc runs in a child process. ``grpc_tools.protoc`` carries its own
     libprotobuf, and once loaded it makes a later ``import nixl`` in the same
-    process abort (munmap_chunk(): invalid pointer), measured here.
+    process abort (munmap_chunk(): invalid pointer).
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = importlib.util.find_spec("grpc_tools")

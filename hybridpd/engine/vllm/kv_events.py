@@ -5,7 +5,7 @@ are stored, removed or all cleared. With ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
 the hashes are the full block-hash bytes, which equal our chain
 (``tests/vllm/test_hash_equality.py``). The index may claim for an instance
 only what vLLM can deliver, so the mapping follows vLLM's cache entries, not
-its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
+its events one by one (vLLM 0.32, align mode; ``tests/vllm/test_kv_events.py``):
 
 * **Two media.** The engine's block pool tags its events ``medium="GPU"`` (on
   every device) and names each group's kind (``kv_cache_spec_kind``);
@@ -17,7 +17,7 @@ its events one by one (measured on vLLM 0.32, tiny Qwen3-Next, align mode):
   arrive: its connector is a MultiConnector (Nixl + Mooncake store), which in
   vLLM 0.32 does not pass its sub-connectors' events on
   (``get_kv_connector_kv_cache_events`` is a TODO there). Where they do arrive
-  (measured with them forwarded) they name attention blocks only: a prompt's Mamba states reach the store as
+  (with them forwarded) they name attention blocks only: a prompt's Mamba states reach the store as
   boundary puts, which publish no event, so the store tier claims KV and no
   state, i.e. no store hit; and a put of a prompt's first block names no cache
   salt, so for a salted prompt its tokens do not prove its hash (a mismatch,
