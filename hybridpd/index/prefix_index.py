@@ -202,7 +202,7 @@ class PrefixIndex(IndexConnection):
 
     def heartbeat(self, instance: str) -> None:
         """Refresh liveness (and the TTL of the instance's local entries): the lookup
-        treats an instance without a live heartbeat key as dead. The key holds no load:
+        treats an instance without a live heartbeat key as dead (``live_instances``). The key holds no load:
         the router learns an instance's load from its own pings and the actor's metrics."""
         with mapped():
             pipe = self.r.pipeline(transaction=False)
@@ -211,6 +211,15 @@ class PrefixIndex(IndexConnection):
             pipe.expire(self.keys.local_kv(instance), self.ttl_s)
             pipe.expire(self.keys.local_st(instance), self.ttl_s)
             pipe.execute()
+
+    def live_instances(self) -> list[str]:
+        """The instances whose heartbeat is live, by name."""
+        with mapped():
+            names = sorted(m.decode() if isinstance(m, bytes) else m for m in self.r.smembers(self.keys.instances))
+            if not names:
+                return []
+            alive = self.r.mget([self.keys.heartbeat(n) for n in names])
+        return [n for n, v in zip(names, alive, strict=True) if v is not None]
 
     # -- the lookup ------------------------------------------------------------------
     def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:

@@ -17,7 +17,7 @@ import redis
 from hybridpd.config import load_config
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams
 from hybridpd.errors import UnavailableError
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import free_port
 from services.prefill.actor import PrefillWorker
@@ -36,7 +36,7 @@ def _req(rid: str, seed: int, n: int = 40) -> EngineRequest:
 
 def _claimed(index: PrefixIndex, eng: ToyEngine, req: EngineRequest) -> int:
     """The local hit the index promises NAME for ``req`` (what the router sees)."""
-    index.heartbeat(NAME, InstanceLoad())
+    index.heartbeat(NAME)
     chain = eng.hasher.chain(req.prompt_token_ids)
     return index.lookup(chain, len(req.prompt_token_ids), eng.unit, False).instance_hits.get(NAME, 0)
 
@@ -184,7 +184,7 @@ def test_native_eviction_is_published_one_step_later(redis_server: RedisServer) 
             w.prefill(PrefillCommand(r))
             with w.loop.lock:
                 real = [eng.local_hit(q.prompt_token_ids) for q in reqs]
-            index.heartbeat(NAME, InstanceLoad())
+            index.heartbeat(NAME)
             claimed = [
                 index.lookup(eng.hasher.chain(q.prompt_token_ids), 72, eng.unit, False).instance_hits.get(NAME, 0)
                 for q in reqs

@@ -6,7 +6,6 @@ the index recovers when the master returns."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -20,7 +19,7 @@ from hypothesis import strategies as st
 from hybridpd.checkpoints import known_prefix, longest_usable_hit
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, PrefixIndex
+from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.index.redis_cluster import LocalRedisCluster
 from hybridpd.index.redis_server import RedisServer
 from tests.index_checks import over_promised
@@ -50,7 +49,7 @@ def _publish(index: PrefixIndex, kv: list[bool], states: set[int], insts: list[t
     for j, (ikv, ist) in enumerate(insts):
         name = "prefill-%d" % j
         index.publish_local(name, [h for h, p in zip(CHAIN, ikv, strict=True) if p], [CHAIN[i] for i in ist])
-        index.heartbeat(name, InstanceLoad(queued_tokens=j))
+        index.heartbeat(name)
 
 
 _presence = st.lists(st.booleans(), min_size=len(CHAIN), max_size=len(CHAIN)).map(
@@ -106,7 +105,7 @@ def test_models_spread_over_the_shards_and_each_lookup_is_one_shard(cluster: Loc
     index = PrefixIndex(cluster.url, "spread", cluster=True)
     index.publish_store(CHAIN[:30], CHAIN[19], 20 * UNIT)
     index.publish_local("prefill-0", CHAIN[:50], [CHAIN[39]])
-    index.heartbeat("prefill-0", InstanceLoad())
+    index.heartbeat("prefill-0")
     home = cluster.master_of(index.keys.instances)
     for i, node in enumerate(cluster.nodes):  # every key of the model lives on its home shard
         keys = PrefixIndex(node.url, "probe").r.execute_command("KEYS", index.keys.prefix.replace("{", "\\{") + "*")
@@ -130,7 +129,7 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
     for index in (victim, bystander):
         index.publish_store(CHAIN[:60], CHAIN[49], 50 * UNIT)
         index.publish_local("prefill-0", CHAIN[:90], [CHAIN[79]])
-        index.heartbeat("prefill-0", InstanceLoad())
+        index.heartbeat("prefill-0")
         expected[index.keys.prefix] = index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False)
     assert expected[victim.keys.prefix].store_hit == 50 * UNIT
 
@@ -139,13 +138,12 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
     stop = threading.Event()
 
     def traffic() -> None:
-        rng = random.Random(7)
         while not stop.is_set():
             for index, key in ((victim, "ok"), (bystander, "bystander_ok")):
                 want = expected[index.keys.prefix]
                 try:
                     got = index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False)
-                    index.heartbeat("prefill-0", InstanceLoad(queued_tokens=rng.randrange(10)))
+                    index.heartbeat("prefill-0")
                 except UnavailableError:
                     counts["unavailable" if index is victim else "bystander_failed"] += 1
                     continue
@@ -182,7 +180,7 @@ def test_a_master_killed_during_traffic_costs_misses_never_over_promises(cluster
     # the index recovers: what the instance publishes again is found again, exactly
     victim.publish_store(CHAIN[:60], CHAIN[49], 50 * UNIT)
     victim.publish_local("prefill-0", CHAIN[:90], [CHAIN[79]])
-    victim.heartbeat("prefill-0", InstanceLoad())
+    victim.heartbeat("prefill-0")
     assert victim.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False) == expected[victim.keys.prefix]
 
 
@@ -220,7 +218,7 @@ def test_apply_local_on_the_cluster_equals_single_redis(
         index.publish_local("i", CHAIN[:3], [CHAIN[2]])  # entries before the batch
         index.publish_store(CHAIN[:2], CHAIN[1], 2 * UNIT)
         index.apply_local("i", events)
-        index.heartbeat("i", InstanceLoad())
+        index.heartbeat("i")
     assert on_cluster.local_entries("i") == single.local_entries("i")
     got = on_cluster.lookup(CHAIN[:8], 8 * UNIT + 1, UNIT, False)
     assert got == single.lookup(CHAIN[:8], 8 * UNIT + 1, UNIT, False)
@@ -232,7 +230,7 @@ def test_the_lookup_reloads_its_script_on_the_slots_node(cluster: LocalRedisClus
     """After SCRIPT FLUSH on the model's shard the next lookup loads the script there and answers."""
     index = PrefixIndex(cluster.url, "flush-" + uuid.uuid4().hex[:6], cluster=True)
     index.publish_local("prefill-0", CHAIN[:10], [CHAIN[9]])
-    index.heartbeat("prefill-0", InstanceLoad())
+    index.heartbeat("prefill-0")
     assert index.lookup(CHAIN, len(CHAIN) * UNIT, UNIT, False).instance_hits == {"prefill-0": 10 * UNIT}
     home = cluster.nodes[cluster.master_of(index.keys.instances)]
     PrefixIndex(home.url, "probe").r.script_flush()

@@ -22,7 +22,7 @@ import redis
 
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHasher
-from hybridpd.index.prefix_index import InstanceLoad, LookupResult, PrefixIndex
+from hybridpd.index.prefix_index import LookupResult, PrefixIndex
 from hybridpd.index.redis_cluster import LocalRedisCluster
 from hybridpd.index.redis_server import RedisServer
 from hybridpd.procs import free_port
@@ -48,7 +48,7 @@ def _populate(index: PrefixIndex, rng: random.Random) -> None:
     for j in range(3):
         k = rng.randrange(1, len(CHAIN))
         index.publish_local("prefill-%d" % j, CHAIN[:k], [CHAIN[rng.randrange(k)] for _ in range(3)])
-        index.heartbeat("prefill-%d" % j, InstanceLoad(queued_tokens=j))
+        index.heartbeat("prefill-%d" % j)
 
 
 def _lookup(index: PrefixIndex, n: int) -> LookupResult:
@@ -112,7 +112,7 @@ def test_a_replica_that_is_down_or_cut_off_is_skipped_for_the_primary(
     model = "m-" + uuid.uuid4().hex[:8]
     index = PrefixIndex(primary_srv.url, model, read_replicas=True, replica_url=replica_srv.url, timeout_s=0.5)
     index.publish_local("prefill-0", CHAIN[:20], [CHAIN[9]])
-    index.heartbeat("prefill-0", InstanceLoad())
+    index.heartbeat("prefill-0")
     _synced(index)
     want = {"prefill-0": 10 * UNIT}
     assert (_lookup(index, 200).instance_hits, _lookup(index, 200).source) == (want, "replica")
@@ -144,15 +144,15 @@ def test_dead_instances_are_reaped_on_the_primary(primary_and_replica: tuple[Red
     index = PrefixIndex(primary_srv.url, model, heartbeat_ttl_s=0.3, read_replicas=True, replica_url=replica_srv.url)
     index.publish_local("a", CHAIN[:10], [CHAIN[9]])
     index.publish_local("b", CHAIN[:10], [CHAIN[9]])
-    index.heartbeat("a", InstanceLoad())
-    index.heartbeat("b", InstanceLoad())
+    index.heartbeat("a")
+    index.heartbeat("b")
     _synced(index)
     assert set(_lookup(index, 60).instance_hits) == {"a", "b"}
     members = lambda: {m.decode() for m in index.r.smembers(index.keys.instances)}  # noqa: E731
     assert members() == {"a", "b"}
 
     def only_b() -> bool:
-        index.heartbeat("b", InstanceLoad())
+        index.heartbeat("b")
         _synced(index)
         return _lookup(index, 60).instance_hits == {"b": 40} and members() == {"b"}
 
@@ -207,7 +207,7 @@ def test_a_failover_keeps_the_index_and_never_over_promises(replicated_cluster: 
     reader = PrefixIndex(cluster.url, model, cluster=True, read_replicas=True, timeout_s=0.3)
     writer.publish_store(CHAIN[:60], CHAIN[49], 50 * UNIT)
     writer.publish_local("prefill-0", CHAIN[:90], [CHAIN[79]])
-    writer.heartbeat("prefill-0", InstanceLoad())
+    writer.heartbeat("prefill-0")
     _wait_replicated(cluster, writer)
     want = _lookup(writer, len(CHAIN) * UNIT)
     assert (want.store_hit, want.instance_hits) == (50 * UNIT, {"prefill-0": 80 * UNIT})
@@ -223,7 +223,7 @@ def test_a_failover_keeps_the_index_and_never_over_promises(replicated_cluster: 
             for index in (writer, reader):
                 try:
                     got = _lookup(index, len(CHAIN) * UNIT)
-                    writer.heartbeat("prefill-0", InstanceLoad())
+                    writer.heartbeat("prefill-0")
                 except UnavailableError:
                     counts["unavailable"] += 1
                     continue
