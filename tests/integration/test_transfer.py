@@ -98,7 +98,9 @@ def test_a_reader_skips_the_chunks_it_holds() -> None:
 def test_read_after_timeout_fails_cleanly() -> None:
     p, q_out, q_in, desc = _start(timeout_s=0.5, corrupt=False)
     time.sleep(1.0)  # the scenario: a reader that comes after the 0.5 s timeout
-    client = HandoffClient("decode-test-3")
+    # NOTE: a READ of freed buffers does not complete: it ends at the client's read timeout,
+    # 2 s here (30 by default), a HandoffError all the same
+    client = HandoffClient("decode-test-3", read_timeout_s=2.0)
     with pytest.raises(HandoffError, match="expired"):
         client.fetch(desc)
     # a descriptor whose expiry was moved fails its tag before anything is read
