@@ -6,6 +6,7 @@ Token equality of the handed-off request with a plain run is
 
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 import time
@@ -21,10 +22,12 @@ from hybridpd.engine.base import (
     HandoffTicket,
     RequestOutput,
 )
+from hybridpd.engine.native import handoff as native_handoff
 from hybridpd.engine.native.engine import NativeEngine
 from hybridpd.engine.native.handoff import FetchedHandoff, NativeTicket
 from hybridpd.errors import IntegrityError, InvalidRequestError, OverloadedError
 from hybridpd.transfer.handoff_descriptor import HandoffError
+from hybridpd.transfer.nixl_handoff import HandoffClient
 from tests.unit.engine_helpers import assert_no_leaks, make_engine, prompt, req
 
 TOKENS = prompt(70, 5)
@@ -242,10 +245,15 @@ def test_pop_handoff_runs_concurrently_with_step(pair: tuple[NativeEngine, Nativ
     assert_no_leaks(prefill)
 
 
-def test_an_abort_after_the_offer_withdraws_it(pair: tuple[NativeEngine, NativeEngine]) -> None:
+def test_an_abort_after_the_offer_withdraws_it(
+    pair: tuple[NativeEngine, NativeEngine], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A request aborted between its prefill and decode's read (a stop string in the
     first token, a client gone) frees its NIXL offer at once, not at the timeout."""
     prefill, decode = pair
+    # NOTE: a READ of a withdrawn offer does not complete: it ends at the client's read
+    # timeout (30 s by default, not a config field), 2 s here, a HandoffError all the same
+    monkeypatch.setattr(native_handoff, "HandoffClient", functools.partial(HandoffClient, read_timeout_s=2.0))
     r = req("w", TOKENS, 5)
     ticket = _prefill(prefill, r)
     assert prefill.handoff_stats().outstanding == 1
