@@ -12,11 +12,12 @@ it keeps) are mirrored into this instance's index entries
 (``worker/index_mirror.py``): the router sends a conversation's next turn to
 the decode instance that holds its previous ones (``routing.choose_decode``).
 
-``generate`` is a generator (a Ray streaming generator): the actor sends
-:class:`TokenChunk` objects as the engine produces them to the router's token
-sink (``worker/token_channel.py``), or yields them (``token_channel: ray``),
-the last one with ``finished`` set. ``abort`` (or the caller dropping the
-stream) frees the request's blocks.
+``generate`` is a generator (a Ray streaming generator): the actor yields
+:class:`TokenChunk` objects as the engine produces them (``token_channel: ray``),
+the last one with ``finished`` set; or it sends them as frames to the router's
+token sink (``worker/token_channel.py``), the last one as the stream's end frame
+and a failure as its error frame, and yields nothing. ``abort``, or the caller
+cancelling the call, frees the request's blocks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import asdict
 
 from hybridpd.config import HybridPDConfig
@@ -39,7 +40,7 @@ from services.worker.engine_loop import EngineLoop
 from services.worker.index_mirror import IndexMirror
 from services.worker.messages import PrefillResult, TokenChunk
 from services.worker.metrics import DECODE_COUNTERS, DECODE_GAUGES, DECODE_HISTOGRAMS, DecodeCounters
-from services.worker.token_channel import TokenSender
+from services.worker.token_channel import FrameStream, TokenSender
 
 logger = logging.getLogger(__name__)
 
@@ -100,17 +101,33 @@ class DecodeWorker(WorkerBase):
                 logger.debug("index refresh failed: index unavailable")
 
     def generate(self, prefill: PrefillResult, request: EngineRequest, sink: str | None = None) -> Iterator[TokenChunk]:
-        """Continue ``request`` from its prefill; yields chunks until finished, or with
-        ``sink`` (a router's ``TokenSink`` address) sends them there and yields nothing
-        (``token_channel.py``): this call then only ends, or raises, with the request."""
+        """Continue ``request`` from its prefill; yields chunks until finished (raises what
+        stopped it), or with ``sink`` (a router's ``TokenSink`` address) sends all of the
+        stream there, its end or its error included, and yields nothing (``token_channel.py``)."""
+        if sink is not None:
+            self._send(prefill, request, self.sender.stream(sink, request.request_id))
+            return
         self.refuse_if_draining()
         with self.engine_errors():
-            out = None if sink is None else self.sender.stream(sink, request.request_id)
-            for chunk in self._generate(prefill, request):
-                if out is None:
-                    yield chunk
-                else:
-                    out.send(chunk)
+            yield from self._generate(prefill, request)
+
+    def _send(self, prefill: PrefillResult, request: EngineRequest, out: FrameStream) -> None:
+        """The stream as frames: each chunk (the last as the end frame), or an error frame.
+        A cancelled call (the router closed the stream) stops between chunks, freeing the
+        request. Raises only what could not be sent (the sink is gone or full)."""
+        try:
+            self.refuse_if_draining()
+            with self.engine_errors():
+                chunks = self._generate(prefill, request)
+                try:
+                    for chunk in chunks:
+                        out.send(chunk)
+                        if _cancelled():
+                            return
+                finally:
+                    chunks.close()  # a stream left early is aborted here (``_generate``)
+        except Exception as exc:
+            out.fail(exc)
 
     def _fetch(self, prefill: PrefillResult, request: EngineRequest) -> HandoffTicket | None:
         """The handoff's bytes, moved and verified by the engine (outside the engine lock);
@@ -148,7 +165,7 @@ class DecodeWorker(WorkerBase):
             self.metrics.observe("handoff_bytes", read)
         return fetched
 
-    def _generate(self, prefill: PrefillResult, request: EngineRequest) -> Iterator[TokenChunk]:
+    def _generate(self, prefill: PrefillResult, request: EngineRequest) -> Generator[TokenChunk, None, None]:
         with self.loop.reserved(request.request_id):  # an abort during the fetch is not lost
             try:
                 fetched = self._fetch(prefill, request)
@@ -248,3 +265,16 @@ def _next_chunk(q: queue.Queue, request_id: str, stall_s: float = 600.0) -> Toke
     tokens = tuple(t for o in outs for t in o.new_token_ids)
     lps = tuple(lp for o in outs for lp in (o.logprobs or ())) if any(o.logprobs for o in outs) else None
     return TokenChunk(tokens, last.finished, None if last.finish_reason is None else str(last.finish_reason), lps)
+
+
+def _cancelled() -> bool:
+    """Whether the Ray call this thread runs was cancelled (``ray.cancel``, which a
+    threaded actor's running task only reads); False outside a Ray worker."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    try:
+        return ray.get_runtime_context().is_canceled()
+    except RuntimeError:  # a driver: the worker runs in-process
+        return False

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from hybridpd.prefix_outcomes import PREFIX_OUTCOMES
+from services.worker.frames import REFUSALS
 
 # Buckets that fit LLM latencies: 5 ms .. 2 min.
 _LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -134,11 +135,12 @@ class RouterMetrics:
         self.token_frames_refused = Counter(
             "hybridpd_token_frames_refused",
             "Token frames the router's sink refused, by reason: oversize (over max_token_frame_bytes), tag (not"
-            " made with this deployment's key), malformed, sequence (replayed or out of order).",
+            " made with this deployment's key), version (another frame version or an unknown kind), malformed,"
+            " sequence (replayed or out of order).",
             ["reason"],
             registry=r,
         )
-        for reason in ("oversize", "tag", "malformed", "sequence"):
+        for reason in REFUSALS:
             self.token_frames_refused.labels(reason)
 
     def token_frame_refused(self, reason: str) -> None:

@@ -13,13 +13,14 @@ stack, a test double in the router's unit tests.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
 from hybridpd.engine.base import EngineRequest
 from hybridpd.errors import IntegrityError
 from services.worker.messages import PrefillCommand, PrefillResult, TokenChunk
-from services.worker.token_channel import SinkStream, TokenSink
+from services.worker.token_channel import SinkStream, TokenSink, cancel_call
 
 #: chunks a decode stream may run ahead of the router; past that the decode
 #: actor waits and merges what the engine produced meanwhile into one chunk
@@ -94,21 +95,37 @@ class PrefillClient(WorkerClient):
 
 
 class DecodeStream:
-    """One request's decode chunks, read one at a time (Ray streaming generator)."""
+    """One request's decode chunks, read one at a time (Ray streaming generator: the
+    chunks, the end and the error all travel as its items)."""
 
     def __init__(self, gen: object) -> None:
         self._gen = gen
+        self._ended = False
 
     def close(self) -> None:
-        """Stop reading (the request's abort goes to the actor separately)."""
+        """Stop reading; a stream that has not ended has its Ray call cancelled (the
+        actor's generator stops at its next yield and frees the request; the router's
+        abort reaches the actor too)."""
+        if not self._ended:
+            self._ended = True
+            cancel_call(self._gen)
 
     async def next(self) -> TokenChunk | None:
         """The next chunk, None at the stream's end; raises what the decode raised."""
+        if self._ended:
+            return None
         try:
             ref = await self._gen.__anext__()  # type: ignore[attr-defined]
+            chunk = _typed(await ref, TokenChunk, "a decode stream")
         except StopAsyncIteration:
+            self._ended = True
             return None
-        return _typed(await ref, TokenChunk, "a decode stream")
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):  # a deadline's cancel: the stream runs on
+                self._ended = True
+            raise
+        self._ended = chunk.finished  # the generator's end follows
+        return chunk
 
 
 class DecodeClient(WorkerClient):

@@ -3,38 +3,40 @@
 A Ray streaming generator costs CPU per item on each side; on a decode actor
 that is CPU the engine's step loses, once per token. With ``token_channel: zmq`` the
 router binds one PULL socket (:class:`TokenSink`) and each decode actor keeps
-one PUSH socket per router (:class:`TokenSender`). ``DecodeWorker.generate``
-is still the request's Ray call (a streaming generator), but it carries only
-the request's end: it yields nothing on this path, ends after the last chunk
-was sent, and raises what the decode raised (a handoff failure before the
-first token, an engine error), so the router's retry and error mapping are
-those of the Ray path; a dead actor fails the Ray call.
+one PUSH socket per router (:class:`TokenSender`). The whole stream travels
+there as typed frames (``frames.py``): its tokens, then one ``end`` frame (its
+last tokens and finish reason) or one ``error`` frame (the error's class and
+public message, raised again by the router as the same class: a handoff failure
+before the first token is retried on another decode, as on the Ray path).
+``DecodeWorker.generate`` is still the request's Ray call (a streaming
+generator), but it only starts the work and yields nothing: the router watches
+it for a failure (a dead actor, or an end it could not send) and never waits
+for its normal end. A stream whose frames stop is bounded by its request's
+deadline (the router's ``Deadline``).
 
-A frame is a keyed tag and a JSON body::
+The sink checks each frame (``frames.decode``: its size, ``max_token_frame_bytes``,
+decode splitting a chunk that would not fit; its tag, ``hybridpd/integrity.py``;
+its version and kind; its body), then that ``seq`` is the next one its request
+waits for; a frame failing any of them is refused and counted
+(:attr:`TokenSink.refused`, ``hybridpd_token_frames_refused_total{reason}``, the
+reasons of ``frames.REFUSALS``), and the sink reads on. A frame whose request the
+sink does not wait for (closed, ended, or from an earlier router) is dropped.
+Since the request id and ``seq`` are tagged, a captured frame cannot be replayed
+into another stream or twice into its own. A frame over :data:`HARD_CAP` times
+the limit is never buffered: libzmq drops that peer's connection
+(``MAXMSGSIZE``). Frames of one request arrive in order (one PUSH socket per
+actor and router).
 
-    tag (32 bytes) | [request_id, seq, [token ids], finished, finish_reason, logprobs]
-    tag = HMAC-SHA256 (the deployment key's token-frame subkey) of the body
-
-(``logprobs``: null, or per token ``[logprob, rank, [[id, logprob], ...]]``;
-``seq``: 0, 1, 2, ... per request). JSON, not pickle: the sink is a listening
-socket. The sink checks, in order and before parsing anything: the size
-(``max_token_frame_bytes``; decode splits a chunk that would not fit), the
-tag (``hybridpd/integrity.py``), then the body, then that ``seq`` is the next
-one its request waits for; a frame failing any of them is refused and
-counted (:attr:`TokenSink.refused`, ``hybridpd_token_frames_refused_total``),
-and the sink reads on. A frame whose request the sink does not wait for
-(aborted, or from an earlier router) is dropped. Since the request id and
-``seq`` are tagged, a captured frame cannot be replayed into another stream
-or twice into its own. A frame over :data:`HARD_CAP` times the limit is never
-buffered: libzmq drops that peer's connection (``MAXMSGSIZE``). Frames of one
-request arrive in order (one PUSH socket per actor and router).
+Closing a stream (:meth:`SinkStream.close`, the router's ``finally``) stops
+waiting for its frames and, if it had not ended, cancels its Ray call
+(:func:`cancel_call`: the decode actor sees the cancel between chunks and
+frees the request; the router's abort reaches it too).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -42,20 +44,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpd.config import HybridPDConfig
-from hybridpd.engine.base import TokenLogprobs
 from hybridpd.errors import UnavailableError
-from hybridpd.integrity import TAG_BYTES, TOKEN_FRAME, IntegrityKey, Tagger
+from hybridpd.integrity import TOKEN_FRAME, IntegrityKey
+from services.worker.frames import FrameError, StreamFailure, decode, encode
 from services.worker.messages import TokenChunk
 
 logger = logging.getLogger(__name__)
 
-#: how long the router waits for a request's last frame once its Ray call ended
-#: (frames and the call's end travel different connections)
-END_GRACE_S = 5.0
 #: libzmq drops the connection of a peer whose frame is over this many times the limit, unread
 HARD_CAP = 4
-#: why the sink refuses a frame (the counter's labels)
-REFUSALS = ("oversize", "tag", "malformed", "sequence")
 
 
 def token_sink_host(cfg: HybridPDConfig) -> str:
@@ -67,46 +64,15 @@ def token_sink_host(cfg: HybridPDConfig) -> str:
     return ray.util.get_node_ip_address()
 
 
-class FrameError(ValueError):
-    """A frame the sink refuses; ``reason`` is one of :data:`REFUSALS`."""
+def cancel_call(call: object) -> None:
+    """Cancel a request's Ray call (``ray.cancel``) that has not ended: Ray stops a
+    streaming generator at its next yield and flags one that yields nothing, which
+    ``DecodeWorker`` reads between chunks. Anything but a Ray generator (a test
+    double) is left to its reader."""
+    import ray
 
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def encode(tagger: Tagger, request_id: str, seq: int, chunk: TokenChunk) -> bytes:
-    """The tagged frame of ``request_id``'s chunk number ``seq``."""
-    lps = None if chunk.logprobs is None else [[x.logprob, x.rank, x.top] for x in chunk.logprobs]
-    body = json.dumps([request_id, seq, list(chunk.token_ids), chunk.finished, chunk.finish_reason, lps]).encode()
-    return tagger.tag(body) + body
-
-
-def decode(tagger: Tagger, frame: bytes, max_bytes: int) -> tuple[str, int, TokenChunk]:
-    """A frame's request id, sequence number and chunk; FrameError for a frame over
-    ``max_bytes``, one whose tag is not this key's, or one that is not a frame (checked
-    in that order: nothing is parsed before the tag held)."""
-    if len(frame) > max_bytes:
-        raise FrameError("oversize", "a frame of %d bytes, over the limit of %d" % (len(frame), max_bytes))
-    body = memoryview(frame)[TAG_BYTES:]
-    if len(frame) < TAG_BYTES or not tagger.valid(frame[:TAG_BYTES], body):
-        raise FrameError("tag", "a frame without this deployment's tag (%d bytes)" % len(frame))
-    try:
-        rid, seq, ids, finished, reason, lps = json.loads(bytes(body))
-        if not isinstance(rid, str) or type(seq) is not int or not isinstance(ids, list):
-            raise ValueError("not a token frame")
-        if not all(type(t) is int for t in ids):
-            raise ValueError("token ids must be ints")
-        logprobs = None
-        if lps is not None:
-            logprobs = tuple(
-                TokenLogprobs(float(lp), int(rank), tuple((int(t), float(v)) for t, v in top)) for lp, rank, top in lps
-            )
-            if len(logprobs) != len(ids):
-                raise ValueError("logprobs do not match the frame's tokens")
-    except (TypeError, ValueError) as exc:  # also a wrong arity or element type
-        raise FrameError("malformed", "not a token frame: %s" % exc) from None
-    return rid, seq, TokenChunk(tuple(ids), bool(finished), None if reason is None else str(reason), logprobs)
+    if isinstance(call, ray.ObjectRefGenerator):
+        ray.cancel(call)
 
 
 def split(chunk: TokenChunk) -> tuple[TokenChunk, TokenChunk]:
@@ -136,15 +102,15 @@ class TokenSender:
         """The frames of ``request_id`` to the sink at ``address``, numbered from 0."""
         return FrameStream(self, address, request_id)
 
-    def frames(self, request_id: str, seq: int, chunk: TokenChunk) -> list[bytes]:
-        """``chunk`` as frames numbered from ``seq``, each within ``max_frame_bytes`` (a
+    def frames(self, request_id: str, seq: int, body: TokenChunk | StreamFailure) -> list[bytes]:
+        """``body`` as frames numbered from ``seq``, each within ``max_frame_bytes`` (a
         chunk that would not fit is split); UnavailableError if one token does not fit."""
-        frame = encode(self.tagger, request_id, seq, chunk)
+        frame = encode(self.tagger, request_id, seq, body)
         if len(frame) <= self.max_frame_bytes:
             return [frame]
-        if len(chunk.token_ids) < 2:
+        if isinstance(body, StreamFailure) or len(body.token_ids) < 2:
             raise UnavailableError("a token frame of %d bytes exceeds max_token_frame_bytes" % len(frame))
-        first, rest = split(chunk)
+        first, rest = split(body)
         head = self.frames(request_id, seq, first)
         return head + self.frames(request_id, seq + len(head), rest)
 
@@ -181,25 +147,30 @@ class FrameStream:
         self.request_id = request_id
         self.seq = 0
 
-    def send(self, chunk: TokenChunk) -> None:
-        frames = self.sender.frames(self.request_id, self.seq, chunk)
+    def send(self, body: TokenChunk | StreamFailure) -> None:
+        """Send a chunk (the last one, ``finished``, as the end frame) or the stream's failure."""
+        frames = self.sender.frames(self.request_id, self.seq, body)
         self.seq += len(frames)
         self.sender.send(self.address, frames)
+
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with ``exc`` (an error frame: ``StreamFailure.of``)."""
+        self.send(StreamFailure.of(exc, self.request_id))
 
 
 @dataclass(slots=True)
 class _Waiting:
     """A request the sink waits for: its queue and the sequence number it takes next."""
 
-    queue: asyncio.Queue[TokenChunk | BaseException | None] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[TokenChunk | BaseException] = field(default_factory=asyncio.Queue)
     seq: int = 0
 
 
 class TokenSink:
     """The router's end: one PULL socket and a reader task (started on first use,
     in the router's event loop) that checks each frame (module docstring) and hands
-    it to its request's queue. ``refused`` counts the frames it refused, by reason;
-    ``on_refused(reason)`` is called for each (the router's metric)."""
+    what it carries to its request's queue. ``refused`` counts the frames it refused,
+    by reason; ``on_refused(reason)`` is called for each (the router's metric)."""
 
     def __init__(
         self,
@@ -240,15 +211,18 @@ class TokenSink:
             except Exception as exc:  # the reader serves every stream: it never stops on one frame
                 self._refuse("malformed", "%s: %s" % (type(exc).__name__, exc))
 
-    def _take(self, frame: bytes) -> None:
-        rid, seq, chunk = decode(self.tagger, frame, self.max_frame_bytes)
-        w = self._waiting.get(rid)
+    def _take(self, data: bytes) -> None:
+        frame = decode(self.tagger, data, self.max_frame_bytes)
+        w = self._waiting.get(frame.request_id)
         if w is None:
-            return  # aborted, or a frame for an earlier router: dropped
-        if seq != w.seq:
-            raise FrameError("sequence", "frame %d of %s where %d was due (replayed?)" % (seq, rid, w.seq))
+            return  # closed, ended, or a frame for an earlier router: dropped
+        if frame.seq != w.seq:
+            what = "frame %d of %s where %d was due (replayed?)" % (frame.seq, frame.request_id, w.seq)
+            raise FrameError("sequence", what)
         w.seq += 1
-        w.queue.put_nowait(chunk)
+        if frame.kind != "tokens":  # its end or error: nothing more is due
+            del self._waiting[frame.request_id]
+        w.queue.put_nowait(frame.item())
 
     def _refuse(self, reason: str, message: str) -> None:
         self.refused[reason] += 1
@@ -258,17 +232,24 @@ class TokenSink:
         if self._on_refused is not None:
             self._on_refused(reason)
 
-    def open(self, request_id: str) -> tuple[str, asyncio.Queue[TokenChunk | BaseException | None]]:
+    def open(self, request_id: str) -> tuple[str, asyncio.Queue[TokenChunk | BaseException]]:
         """Start waiting for ``request_id``'s frames (from number 0): the address to send
-        them to, and their queue."""
+        them to, and their queue (a chunk or the stream's error per frame)."""
         if self._reader is None:
             self._start()
         assert self.address is not None
         w = self._waiting[request_id] = _Waiting()
         return self.address, w.queue
 
-    def release(self, request_id: str) -> None:
-        self._waiting.pop(request_id, None)
+    def release(self, request_id: str, queue: asyncio.Queue[TokenChunk | BaseException]) -> None:
+        """Stop waiting for ``request_id``'s frames, if ``queue`` (from :meth:`open`) still takes them."""
+        w = self._waiting.get(request_id)
+        if w is not None and w.queue is queue:
+            del self._waiting[request_id]
+
+    def waiting(self) -> int:
+        """How many streams the sink waits for."""
+        return len(self._waiting)
 
     def close(self) -> None:
         if self._reader is not None:
@@ -280,49 +261,48 @@ class TokenSink:
 
 
 class SinkStream:
-    """One request's decode chunks from the sink; its Ray call (``gen``, which yields
-    nothing) is watched for the end and for errors."""
+    """One request's decode stream from the sink: its chunks, then its end or error
+    (frames); its Ray call (``call``, which yields nothing) is watched for a failure only."""
 
     def __init__(self, sink: TokenSink, request_id: str) -> None:
         self._sink = sink
         self._rid = request_id
         self.address, self._queue = sink.open(request_id)
+        self._call: object = None
         self._watch: asyncio.Task[None] | None = None
-        self._done = False
+        self._ended = False
 
-    def attach(self, gen: AsyncIterator[Any]) -> None:
-        """Watch ``gen``, the request's Ray call, made with :attr:`address`."""
-        self._watch = asyncio.get_running_loop().create_task(self._watch_call(gen))
+    def attach(self, call: AsyncIterator[Any]) -> None:
+        """Watch ``call``, the request's Ray call, made with :attr:`address`."""
+        self._call = call
+        self._watch = asyncio.get_running_loop().create_task(self._watch_call(call))
 
-    async def _watch_call(self, gen: AsyncIterator[Any]) -> None:
+    async def _watch_call(self, call: AsyncIterator[Any]) -> None:
         try:
-            async for ref in gen:
+            async for ref in call:
                 await ref  # nothing is yielded on this path; a stray item is read and dropped
-        except BaseException as exc:  # what the decode raised (a dead actor included)
-            if isinstance(exc, asyncio.CancelledError):
-                raise
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a dead actor, or an end the actor could not send
             self._queue.put_nowait(exc)
-            return
-        self._queue.put_nowait(None)  # the call ended: the last frame is sent (or the request aborted)
+        # NOTE: its normal end says nothing: the frames say how the stream ended
 
     async def next(self) -> TokenChunk | None:
-        """The next chunk, None once the request's last chunk was read; raises what the decode raised."""
-        if self._done:
+        """The next chunk, None once the stream's last chunk was read; raises its error."""
+        if self._ended:
             return None
         item = await self._queue.get()
-        if item is None:  # the call ended before its last frame arrived: wait a moment for it
-            try:
-                item = await asyncio.wait_for(self._queue.get(), END_GRACE_S)
-            except TimeoutError:
-                raise UnavailableError("decode of %s ended without its last tokens" % self._rid) from None
         if isinstance(item, BaseException):
+            self._ended = True
             raise item
-        assert item is not None
-        if item.finished:
-            self._done = True
+        self._ended = item.finished
         return item
 
     def close(self) -> None:
-        self._sink.release(self._rid)
+        """Stop waiting for frames; cancel the Ray call of a stream that has not ended."""
+        self._sink.release(self._rid, self._queue)
         if self._watch is not None and not self._watch.done():
             self._watch.cancel()
+            if not self._ended:
+                cancel_call(self._call)
+        self._ended = True
