@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from hybridpd.engine.vllm.internals import check_version, require
+from hybridpd.engine.vllm.adapter import check_version, require
 from hybridpd.errors import StartupError
 
 pytestmark = pytest.mark.unit

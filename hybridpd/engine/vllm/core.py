@@ -6,12 +6,13 @@ build only (``environment.py``), our engine arguments (``args.py``) and vLLM's
 defaults patched (``patches.py``), then reads back what vLLM made of them: its KV-cache
 groups, its hit rules, whether it checkpoints junctions itself, and what its
 caches hold for a prompt (its own lookups, no side effects). It hands requests
-to vLLM; what they are and when is ``engine.py``'s. Every internal it reads is
-named in ``internals.py``.
+to vLLM; what they are and when is ``engine.py``'s. vLLM itself, and every
+internal read here, is reached through ``adapter.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, PoolStats, SpecStats
-from hybridpd.engine.vllm import environment
+from hybridpd.engine.vllm import adapter, environment
 from hybridpd.engine.vllm.args import (
     SHARED_PREFIX_OPTION,
     Role,
@@ -28,7 +29,6 @@ from hybridpd.engine.vllm.args import (
     log_once,
     mooncake_config,
 )
-from hybridpd.engine.vllm.internals import check_version, require
 from hybridpd.engine.vllm.kv_events import GroupSpec, KVEventFeed, kv_events_endpoint
 from hybridpd.engine.vllm.patches import (
     kept_cpu_affinity,
@@ -64,15 +64,10 @@ class VllmCore:
         is ``cfg.vllm_kv_cache_memory_bytes``, or ``cfg.vllm_kv_cache_blocks`` pages
         whatever the bytes say. The variables vLLM reads are set for the build only
         (``environment.build_environment``)."""
-        import vllm
-
-        check_version(vllm.__version__)  # its internals are read below (internals.py)
+        adapter.check_installed()  # its internals are read below (adapter.py)
         check_dtype(cfg, model_dir)
         events_endpoint = kv_events_endpoint() if cache_events else None
         with_store = store is not None and role == "prefill"
-        from vllm.engine.arg_utils import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
         self.cfg = cfg
         self.role = role
         self.model_dir = model_dir
@@ -86,13 +81,23 @@ class VllmCore:
             mooncake=mooncake_config(*store) if store is not None and with_store else None,
         )
         with build, one_gloo_device(), kept_cpu_affinity():
-            self.engine = LLMEngine.from_engine_args(EngineArgs(**kw), enable_multiprocessing=False)
-        if events_endpoint is not None:
-            environment.check_event_hashes()
+            self.engine = adapter.llm_engine(kw)
+        try:  # what vLLM made of our arguments; a refusal stops the engine it built
+            if events_endpoint is not None:
+                environment.check_event_hashes()
+            #: vLLM's ``EngineCore``, in this process
+            self.core = adapter.in_process_core(self.engine)
+            #: its KV-cache groups, in vLLM's order (its events' group index)
+            self.groups = adapter.kv_cache_groups(self.core)
+            rules = adapter.scheduler_rules(self.core)
+        except Exception:
+            with contextlib.suppress(Exception):  # the refusal is what is reported
+                adapter.shutdown(self.engine)
+            raise
         #: whether vLLM checkpoints junctions at their exact position (its scheduler's
-        #: narrowed ``enable_mamba_shared_prefix_checkpoint``; None: no in-process scheduler)
-        self.shared_prefix_checkpoint: bool | None = None
-        self._check_shared_prefix_option(bool(kw.get(SHARED_PREFIX_OPTION)))
+        #: narrowed ``enable_mamba_shared_prefix_checkpoint``)
+        self.shared_prefix_checkpoint = rules.shared_prefix_checkpoint
+        self._check_shared_prefix_option(bool(kw.get(SHARED_PREFIX_OPTION)), rules)
         #: the store segment this engine's store puts go to (``patches.store_puts_to_own_segment``)
         self.store_segment = store_puts_to_own_segment() if with_store else None
         self.model_id = engine_identity(cfg, model_dir)  # the weights' digest, vLLM's version, ...
@@ -107,23 +112,17 @@ class VllmCore:
         #: prompt tokens a P/D prefill does not compute (vLLM's NixlConnector truncates them:
         #: decode recomputes them on top of the pulled KV and state); its tail is where N - this is
         self.prefill_backoff = self._prefill_backoff() if role == "prefill" else 0
-        sched = require(self._core(), "scheduler", "EngineCore")
         #: whether this engine's hits drop a unit for an EAGLE-family drafter (vLLM's scheduler says)
-        self.drop_eagle_block = bool(require(sched, "use_eagle_block_drop", "Scheduler"))
+        self.drop_eagle_block = rules.eagle_block_drop
         #: whether vLLM hits at prefix_match_unit granularity inside its blocks (else extras are not staged)
-        self.partial_hits = bool(require(sched, "mamba_partial_cache_hit", "Scheduler"))
+        self.partial_hits = rules.partial_hits
 
     # -- what vLLM made of our arguments ---------------------------------------------------
-    def _check_shared_prefix_option(self, asked: bool) -> None:
-        """Read back what vLLM made of ``enable_mamba_shared_prefix_checkpoint``: it
-        turns the option off itself when the prefix match unit is not below its
-        scheduler block or under multi-module MTP (``args.shared_prefix_checkpoint``)."""
-        core = self._core()
-        sched = getattr(core, "scheduler", None) if core is not None else None
-        if sched is None or not hasattr(sched, "mamba_shared_prefix_checkpoint"):
-            return
-        self.shared_prefix_checkpoint = bool(sched.mamba_shared_prefix_checkpoint)
-        if asked and not self.shared_prefix_checkpoint:
+    def _check_shared_prefix_option(self, asked: bool, rules: adapter.SchedulerRules) -> None:
+        """Say so where vLLM turned ``enable_mamba_shared_prefix_checkpoint`` off: it
+        does when the prefix match unit is not below its scheduler block or under
+        multi-module MTP (``args.shared_prefix_checkpoint``)."""
+        if asked and not rules.shared_prefix_checkpoint:
             log_once(
                 "vLLM junction checkpoints (%s) asked for but turned off by vLLM for a %s engine: it needs"
                 " prefix_match_unit (%d) below its scheduler block (%s tokens, partial hits %s) and no"
@@ -131,46 +130,32 @@ class VllmCore:
                 SHARED_PREFIX_OPTION,
                 self.role,
                 self.cfg.prefix_match_unit,
-                getattr(sched, "block_size", "?"),
-                getattr(sched, "mamba_partial_cache_hit", "?"),
+                rules.block_size,
+                rules.partial_hits,
             )
 
     def _groups(self) -> dict[int, GroupSpec]:
         """The engine's KV-cache groups, as its KV events name them (kind, block size)."""
-        core = self._core()
-        mgr = getattr(getattr(core, "scheduler", None), "kv_cache_manager", None)
-        meta = getattr(mgr, "kv_cache_event_metadata", None)
-        config = getattr(mgr, "kv_cache_config", None)
-        if meta is None or config is None:
-            logger.warning("vLLM's KV-cache groups not readable: their kinds are learned from its events")
-            return {}
-        return {
-            i: GroupSpec(str(kind), int(group.kv_cache_spec.block_size))
-            for i, ((kind, _), group) in enumerate(zip(meta, config.kv_cache_groups, strict=True))
-        }
+        return {i: GroupSpec(g.kind, g.block_size) for i, g in enumerate(self.groups)}
 
     def _prefill_backoff(self) -> int:
         """vLLM 0.32's ``NixlConnectorScheduler._prefill_backoff``: one token for a
         model with Mamba groups, more for multi-module MTP's lookahead."""
-        kinds = {g.kind for g in self._groups().values()}
-        core = self._core()
-        lookahead = int(getattr(getattr(core, "vllm_config", None), "num_prefill_lookahead_tokens", 1) or 1)
-        return max(1 if "mamba" in kinds else 0, lookahead - 1)
+        kinds = {g.kind for g in self.groups}
+        return max(1 if "mamba" in kinds else 0, adapter.prefill_lookahead_tokens(self.core) - 1)
 
     # -- handing requests to vLLM ------------------------------------------------------------
     def _add_to_vllm(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, full: bool) -> str:
         """Hand ``req`` to vLLM (``full``: with every sampling field, else plain:
         ``sampling.py``); returns vLLM's id of it. vLLM's refusal is ours
         (InvalidRequestError)."""
-        from vllm.exceptions import VLLMClientError
-
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         try:
             sampling = vllm_sampling(req.sampling, max_tokens, transfer, full=full)
             return str(self.engine.add_request(req.request_id, prompt, sampling))
-        except VLLMClientError as e:
+        except adapter.client_error() as e:
             raise InvalidRequestError(str(e)) from e
 
     def _check_sampling(self, request: EngineRequest) -> None:
@@ -182,14 +167,11 @@ class VllmCore:
         sp = request.sampling
         if not (sp.processes_logits or sp.structured is not None or sp.logprobs is not None):
             return
-        from vllm.exceptions import VLLMClientError
-
-        config = self.engine.vllm_config
         try:
             full = vllm_sampling(sp, sp.max_tokens, None, full=True)
-            spec = config.speculative_config if self.role != "prefill" else None  # decode's is not known here
-            full.verify(config.model_config, spec, config.structured_outputs_config, self.engine.get_tokenizer())
-        except VLLMClientError as e:
+            # decode's speculative config is not known on a prefill engine
+            adapter.verify_sampling(self.engine, full, speculative=self.role != "prefill")
+        except adapter.client_error() as e:
             raise InvalidRequestError(str(e)) from e
 
     # -- what its caches hold ----------------------------------------------------------------
@@ -198,29 +180,26 @@ class VllmCore:
         admission lookup (``KVCacheManager.get_computed_blocks``, which reads the
         block pool's hash table only) on a request hashed by its engine core; 0
         without prefix caching. The worker asks before an answer prefill."""
-        core = self._core()
-        if core is None or not self.cfg.enable_prefix_caching or len(token_ids) < 2:
+        if not self.cfg.enable_prefix_caching or len(token_ids) < 2:
             return 0
-        return int(core.scheduler.kv_cache_manager.get_computed_blocks(self._probe(core, token_ids, cache_salt))[1])
+        return adapter.computed_tokens(self.core, self._probe(self.core, token_ids, cache_salt))
 
     def store_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """What vLLM's MooncakeStoreConnector would load for ``token_ids`` now: its
         scheduler's own store lookup (``LookupKeyClient.lookup``, a read of the
         store's keys) on a probe request; 0 without a store connector or when the
         lookup fails (then staging may recompute what the store holds, never more)."""
-        core = self._core()
-        if core is None or not self.cfg.enable_prefix_caching or len(token_ids) < 2:
+        if not self.cfg.enable_prefix_caching or len(token_ids) < 2:
             return 0
-        store = _store_scheduler(getattr(core.scheduler, "connector", None))
-        if store is None or not store.enable_lookup:
+        store = adapter.store_scheduler(self.core)
+        if store is None or not adapter.store_lookup_enabled(store):
             return 0
-        probe = self._probe(core, token_ids, cache_salt)
+        probe = self._probe(self.core, token_ids, cache_salt)
         try:
-            found = store.client.lookup("hybridpd-store-probe", probe.num_tokens, probe.block_hashes)
+            return adapter.store_hit_tokens(store, probe)
         except Exception:  # the store is a cache: staging then treats it as empty
             logger.warning("MooncakeStore lookup failed: staging ignores the store", exc_info=True)
             return 0
-        return int(found.hit_length) if found is not None else 0
 
     def cached_hit(self, request: EngineRequest) -> int:
         """Where ``request`` would start computing now: the longer of vLLM's local
@@ -234,66 +213,35 @@ class VllmCore:
     @staticmethod
     def _probe(core: Any, token_ids: Sequence[int], cache_salt: str | None) -> Any:
         """A request vLLM never runs, hashed by ``core``'s block hasher, for lookups."""
-        from vllm.sampling_params import SamplingParams as VllmSampling
-        from vllm.v1.request import Request
-
-        return Request(
-            "hybridpd-probe", list(token_ids), VllmSampling(max_tokens=1), None,
-            cache_salt=cache_salt, block_hasher=core.request_block_hasher,
-        )  # fmt: skip
+        return adapter.probe_request(core, token_ids, cache_salt)
 
     def _core(self) -> Any:
-        return getattr(self.engine.engine_core, "engine_core", None)  # in-process client -> EngineCore
-
-    def _block_pool(self) -> Any:
-        core = self._core()
-        return core.scheduler.kv_cache_manager.block_pool if core is not None else None
+        """vLLM's ``EngineCore`` (``adapter.in_process_core``)."""
+        return self.core
 
     def _prefix_ran(self, internal: str, length: int) -> int | None:
         """vLLM's hit of the checkpoint prefix it runs as ``internal`` once its chunk up
         to its last token of ``length`` ran (and none is in flight), else None."""
-        core = self._core()
-        vreq = core.scheduler.requests.get(internal) if core is not None else None
-        stats = getattr(vreq, "prefill_stats", None)
-        if vreq is None or stats is None or vreq.num_computed_tokens < length - 1:
+        p = adapter.request_progress(self.core, internal)
+        if p is None or p.cached is None or p.computed < length - 1 or p.in_flight:
             return None
-        return None if getattr(vreq, "num_in_flight_tokens", 0) else int(stats.num_cached_tokens)
+        return p.cached
 
     def _pool_stats(self, running: int) -> PoolStats:
         """The block pool's accounting, with ``running`` requests."""
-        pool = self._block_pool()
-        total = pool.num_gpu_blocks - 1 if pool is not None else 0  # vLLM reserves one null block
-        free = pool.get_num_free_blocks() if pool is not None else 0
+        pool = adapter.block_pool_counts(self.core)
         # prefix-cache entries, (hash, group) keys: O(1); a page holding a partial entry besides
         # its full one counts twice (counting pages would walk the pool on every load report)
-        cached = len(pool.cached_block_hash_to_block) if pool is not None else 0
-        return PoolStats(total, free, cached, 0, 0, running, 0, self._page_bytes())
+        return PoolStats(pool.total, pool.free, pool.cached, 0, 0, running, 0, self._page_bytes())
 
     def _page_bytes(self) -> int:
         """One page of vLLM's block pool (every group's block is padded to it)."""
-        core = self._core()
-        groups = core.scheduler.kv_cache_config.kv_cache_groups if core is not None else ()
-        return max((int(g.kv_cache_spec.page_size_bytes) for g in groups), default=0)
+        return max((g.page_bytes for g in self.groups), default=0)
 
     def close(self) -> None:
         if self.feed is not None:
             self.feed.close()
         try:
-            self.engine.engine_core.shutdown()
+            adapter.shutdown(self.engine)
         except Exception:  # already down
             logger.debug("vLLM shutdown failed", exc_info=True)
-
-
-def _store_scheduler(connector: Any) -> Any:
-    """The MooncakeStoreConnector scheduler side of vLLM's connector (alone or
-    inside a MultiConnector), or None."""
-    if connector is None:
-        return None
-    found = getattr(connector, "connector_scheduler", None)
-    if found is not None and hasattr(found, "client") and hasattr(found, "enable_lookup"):
-        return found
-    for sub in getattr(connector, "sub_connectors", ()):  # MultiConnector: a property
-        found = _store_scheduler(sub)
-        if found is not None:
-            return found
-    return None

@@ -59,6 +59,7 @@ from hybridpd.engine.base import (
     RequestOutput,
     StateCheckpoint,
 )
+from hybridpd.engine.vllm import adapter
 from hybridpd.engine.vllm.args import Role
 from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.core import VllmCore
@@ -205,8 +206,7 @@ class VllmEngine(VllmCore):
         its blocks until NIXL reports it sent), for at most ``SEND_HOLD_S``."""
         if not self.background.queued or time.monotonic() - self._handed_at >= SEND_HOLD_S:
             return False
-        core = self._core()
-        return core is not None and core.scheduler.has_finished_requests()
+        return adapter.has_finished_requests(self.core)
 
     def _fail(self, request_id: str) -> None:
         """vLLM refused a request this engine submits on its own (a checkpoint prefix's
@@ -277,8 +277,7 @@ class VllmEngine(VllmCore):
         stepping the engine core processes that acknowledgement and frees them)."""
         if self.pending or self.background.queued or self.engine.has_unfinished_requests():
             return True
-        core = self._core()
-        return core is not None and core.scheduler.has_requests()
+        return adapter.has_requests(self.core)
 
     # -- stepping ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

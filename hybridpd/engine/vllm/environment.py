@@ -33,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hybridpd.engine.vllm import adapter
 from hybridpd.errors import StartupError
 from hybridpd.procs import listen_ports
 
@@ -124,9 +125,7 @@ def build_environment(
 def check_event_hashes() -> None:
     """After a build with KV events: vLLM's frozen ``vllm.envs`` (module docstring) gives
     full block hashes; else StartupError (64-bit ints would match no hash of our chain)."""
-    from vllm import envs
-
-    if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES:
+    if adapter.event_hashes_are_ints():
         raise StartupError(
             "vLLM's KV events would carry 64-bit block hashes: VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES was read"
             " as 1 (vllm.envs frozen before this engine's build, or no longer frozen by vLLM's engine core)"

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
+from hybridpd.engine.vllm import adapter
 from hybridpd.engine.vllm.cache_claims import ATTENTION, ClaimTier
 from hybridpd.engine.vllm.prompt_registry import PromptRegistry
 from hybridpd.hashing import BlockHash, BlockHasher
@@ -128,7 +129,7 @@ class KVEventFeed:
     # -- the mapping -----------------------------------------------------------------
     def _learn(self, ev: Any) -> int:
         group = int(ev.group_idx or 0)
-        kind = str(getattr(ev, "kv_cache_spec_kind", "") or "")
+        kind = str(ev.kv_cache_spec_kind or "")  # None on a store put (no kind)
         if kind and group not in self.kinds:
             self.kinds[group] = kind
         elif kind and self.kinds[group] != kind:
@@ -181,7 +182,7 @@ class KVEventFeed:
         return proven
 
     def _stored(self, ev: Any) -> None:
-        is_store = getattr(ev, "medium", None) == STORE_MEDIUM
+        is_store = ev.medium == STORE_MEDIUM
         group = int(ev.group_idx or 0) if is_store else self._learn(ev)
         kind = self.kinds.get(group, "")
         hashes = [bytes(h) for h in ev.block_hashes]
@@ -198,7 +199,7 @@ class KVEventFeed:
             self.store_entries += len(hashes)
 
     def _removed(self, ev: Any) -> None:
-        if getattr(ev, "medium", None) == STORE_MEDIUM:
+        if ev.medium == STORE_MEDIUM:
             return  # the store does not report evictions; its entries live out their TTL
         group = int(ev.group_idx or 0)
         for h in ev.block_hashes:
@@ -259,9 +260,8 @@ class KVEventFeed:
     def _run(self, endpoint: str) -> None:
         import msgspec
         import zmq
-        from vllm.distributed.kv_events import KVEventBatch
 
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        decoder = msgspec.msgpack.Decoder(type=adapter.kv_event_batch_type())
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         sub = ctx.socket(zmq.SUB)
         sub.connect(endpoint)

@@ -3,17 +3,21 @@
 Two let it sit idle without spinning on a CPU, one keeps it from pinning itself to
 one core, one keeps its store puts in its own store segment. All are applied by
 ``VllmEngine`` while it builds its engine; they change vLLM's defaults, not its
-behaviour (see each docstring for why nothing is lost). Each symbol they rebind or
-read has a test that fails when vLLM or torch moves it (``tests/vllm/test_patch_targets.py``).
+behaviour (see each docstring for why nothing is lost). The vLLM symbols they rebind
+or read are resolved through ``adapter.py``; each has a test that fails when vLLM or
+torch moves it (``tests/vllm/test_patch_targets.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from hybridpd.engine.vllm import adapter
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +29,12 @@ def nixl_without_progress_thread() -> None:
     is lost: the connector drives NIXL from every engine step (``get_new_notifs`` and
     ``check_xfer_state`` progress the workers), and our engine loop steps a prefill engine
     while its KV waits for decode's read (``has_work``), a decode engine while it loads."""
-    import functools
-
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-
-    make = base_worker.nixl_agent_config
-    if make is None or getattr(make, "keywords", {}).get("enable_prog_thread") is False:
+    make = adapter.nixl_agent_config()
+    if make is None:  # NIXL's Python API is not installed: no NIXL agent, no thread
         return
-    base_worker.nixl_agent_config = functools.partial(make, enable_prog_thread=False)
+    if isinstance(make, functools.partial) and make.keywords.get("enable_prog_thread") is False:
+        return  # patched already
+    adapter.set_nixl_agent_config(functools.partial(make, enable_prog_thread=False))
 
 
 @contextmanager
@@ -45,6 +47,7 @@ def one_gloo_device() -> Iterator[None]:
     serves any number of groups (gloo pairs share its loop), so: one loop thread."""
     from torch.distributed import distributed_c10d as c10d
 
+    # NOTE: a default: torch (not vLLM) is built with or without gloo, within a supported release
     base: Any = getattr(c10d, "ProcessGroupGloo", None)
     if base is None:  # torch without gloo
         yield
@@ -84,6 +87,7 @@ def kept_cpu_affinity() -> Iterator[None]:
     every prefill and decode engine of a machine would compute on that one core. The
     building thread, and the threads started meanwhile that inherited the pin, get the
     CPUs they had back (what Ray, the container or the operator gave the actor)."""
+    # NOTE: defaults: the os module has no affinity calls on some platforms (macOS); not vLLM's
     get, put = getattr(os, "sched_getaffinity", None), getattr(os, "sched_setaffinity", None)
     if get is None or put is None:
         yield
@@ -119,23 +123,14 @@ def store_puts_to_own_segment() -> str | None:
     the store is set up (its port is chosen then), so it is set on the connector's
     ``ReplicateConfig`` after vLLM builds the engine.
     ``tests/vllm/test_patch_targets.py`` fails where vLLM moves a field read here."""
-    from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group, has_kv_transfer_group
-
-    if not has_kv_transfer_group():
+    worker = adapter.store_worker()
+    if worker is None:
         return None
-    top = get_kv_transfer_group()
-    for connector in (top, *getattr(top, "sub_connectors", ())):
-        worker: Any = getattr(connector, "connector_worker", None)
-        config = getattr(worker, "store_replicate_config", None)
-        if worker is None or config is None:
-            continue
-        if getattr(config, "preferred_segment", ""):
-            return str(config.preferred_segment)
-        name = str(worker.store.get_hostname())
-        config.preferred_segment = name  # the put thread's ReplicateConfig is this object
-        thread = getattr(worker, "kv_send_thread", None)
-        if thread is not None and getattr(thread, "replicate_config", config) is not config:
-            thread.replicate_config.preferred_segment = name
-        logger.info("vLLM's store puts go to this engine's own segment %s", name)
-        return name
-    return None
+    configs = adapter.store_put_configs(worker)
+    if configs[0].preferred_segment:  # Mooncake's ReplicateConfig: "" unless set
+        return str(configs[0].preferred_segment)
+    name = adapter.store_segment(worker)
+    for config in configs:  # the put thread's ReplicateConfig is mostly the worker's own
+        config.preferred_segment = name
+    logger.info("vLLM's store puts go to this engine's own segment %s", name)
+    return name

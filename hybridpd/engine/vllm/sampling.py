@@ -45,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hybridpd.engine.sampling import SamplingParams, StructuredOutput, TokenLogprobs
+from hybridpd.engine.vllm import adapter
 
 
 def vllm_sampling(sp: SamplingParams, max_tokens: int, transfer: dict[str, Any] | None, *, full: bool) -> Any:
@@ -53,35 +54,33 @@ def vllm_sampling(sp: SamplingParams, max_tokens: int, transfer: dict[str, Any] 
     tokens the engine does not report (see the module docstring). Token ids in and
     out, deltas (``RequestOutputKind.DELTA``); ``transfer``: the NixlConnector's
     ``kv_transfer_params``."""
-    from vllm.sampling_params import RequestOutputKind
-    from vllm.sampling_params import SamplingParams as VllmSampling
-
     common: dict[str, Any] = {
         "max_tokens": max_tokens,
-        "output_kind": RequestOutputKind.DELTA,
         "detokenize": False,
         "extra_args": {"kv_transfer_params": transfer} if transfer is not None else None,
     }
     if not full:
-        return VllmSampling(temperature=0.0, ignore_eos=True, **common)
-    return VllmSampling(
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k if sp.top_k > 0 else 0,
-        min_p=sp.min_p,
-        seed=sp.seed,
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        presence_penalty=sp.presence_penalty,
-        frequency_penalty=sp.frequency_penalty,
-        repetition_penalty=sp.repetition_penalty,
-        logit_bias=dict(sp.logit_bias) or None,
-        allowed_token_ids=list(sp.allowed_token_ids) if sp.allowed_token_ids is not None else None,
-        min_tokens=sp.min_tokens,
-        _bad_words_token_ids=[list(word) for word in sp.bad_words] or None,
-        logprobs=sp.logprobs,
-        structured_outputs=structured_outputs(sp.structured),
-        **common,
+        return adapter.sampling_params({"temperature": 0.0, "ignore_eos": True, **common})
+    return adapter.sampling_params(
+        dict(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k if sp.top_k > 0 else 0,
+            min_p=sp.min_p,
+            seed=sp.seed,
+            stop_token_ids=list(sp.stop_token_ids),
+            ignore_eos=sp.ignore_eos,
+            presence_penalty=sp.presence_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            repetition_penalty=sp.repetition_penalty,
+            logit_bias=dict(sp.logit_bias) or None,
+            allowed_token_ids=list(sp.allowed_token_ids) if sp.allowed_token_ids is not None else None,
+            min_tokens=sp.min_tokens,
+            _bad_words_token_ids=[list(word) for word in sp.bad_words] or None,
+            logprobs=sp.logprobs,
+            structured_outputs=structured_outputs(sp.structured),
+            **common,
+        )
     )
 
 
@@ -89,15 +88,15 @@ def structured_outputs(so: StructuredOutput | None) -> Any:
     """vLLM's ``StructuredOutputsParams`` for ``so`` (None: unconstrained)."""
     if so is None:
         return None
-    from vllm.sampling_params import StructuredOutputsParams
-
-    return StructuredOutputsParams(
-        json=so.json,
-        json_object=True if so.json_object else None,
-        regex=so.regex,
-        choice=list(so.choice) if so.choice is not None else None,
-        grammar=so.grammar,
-        whitespace_pattern=so.whitespace_pattern,
+    return adapter.structured_outputs_params(
+        {
+            "json": so.json,
+            "json_object": True if so.json_object else None,
+            "regex": so.regex,
+            "choice": list(so.choice) if so.choice is not None else None,
+            "grammar": so.grammar,
+            "whitespace_pattern": so.whitespace_pattern,
+        }
     )
 
 
