@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NewType
@@ -51,6 +52,26 @@ BlockHash = NewType("BlockHash", bytes)
 
 #: Seed used when neither the config nor ``PYTHONHASHSEED`` provides one.
 DEFAULT_HASH_SEED = "vllm-none-hash"
+
+# NOTE: the blocks this process hashed through ``BlockHasher.chain``. The router hashes
+# each prompt once and the chain travels with the request (``EngineRequest.block_hashes``),
+# so the prefill and decode processes hash only what no one hashed before (an answer's new
+# blocks, a request that came without a chain). A lock: a chain costs microseconds to
+# milliseconds, the increment under it nanoseconds.
+_hashed_lock = threading.Lock()
+_hashed = [0]
+
+
+def _count(n_blocks: int) -> None:
+    with _hashed_lock:
+        _hashed[0] += n_blocks
+
+
+def hashed_blocks() -> int:
+    """Blocks this process has hashed (``BlockHasher.chain``) since it started: the
+    router's ``hybridpd_hashed_blocks_total``, each worker's ``hashed_blocks`` stat."""
+    with _hashed_lock:
+        return _hashed[0]
 
 
 class HashAlgo(enum.StrEnum):
@@ -213,6 +234,7 @@ class BlockHasher:
         n_blocks = len(tokens) // self.unit
         if n_blocks == 0:
             return []
+        _count(n_blocks)
         if self.algo is HashAlgo.SHA256_CBOR and _c_chain_ok():
             tail_first = cbor2.dumps(self.extra_keys(first_block_index, cache_salt, adapter), canonical=True)
             tail_rest = cbor2.dumps(self.extra_keys(1, cache_salt, adapter), canonical=True)
@@ -241,6 +263,27 @@ class BlockHasher:
             prev = hash_fn(b"\x83" + head + prev + array_head + buf[starts[i] : starts[i + 1]] + tail).digest()
             out.append(BlockHash(prev))
         return out
+
+    def extend(
+        self, known: Sequence[BlockHash], tokens: Sequence[int], *, cache_salt: str | None = None
+    ) -> list[BlockHash]:
+        """The chain of ``tokens`` (``chain``), where ``known`` is the chain of a prefix
+        of them computed elsewhere (the router's: ``EngineRequest.block_hashes``):
+        only the blocks after ``known`` are hashed, none when it covers them all
+        (a longer ``known`` is cut to ``tokens``' full blocks). ``known`` is trusted
+        as it comes (it travels inside the cluster, from the process that hashed
+        the same tokens); ValueError unless its hashes have this algorithm's length."""
+        n_blocks = len(tokens) // self.unit
+        have = list(known[:n_blocks])
+        if have and not all(isinstance(h, bytes) and len(h) == len(self.none_hash) for h in have):
+            raise ValueError("known chain hashes must be %d-byte digests" % len(self.none_hash))
+        if len(have) == n_blocks:
+            return have
+        if not have:
+            return self.chain(tokens, cache_salt=cache_salt)
+        k = len(have)
+        rest = tokens[k * self.unit :]
+        return have + self.chain(rest, cache_salt=cache_salt, parent=have[-1], first_block_index=k)
 
     def _chain_slow(
         self,

@@ -85,6 +85,15 @@ class EngineRequest:
     #: engine runs it on the step budget and seats the others leave; vLLM only while
     #: no foreground request is live, aborted and re-queued when one arrives
     background: bool = False
+    #: the chain of (a prefix of) the prompt as the router hashed it, for the prompt's
+    #: whole life (prefill, store load, publisher, decode): the engines and workers extend
+    #: it (``BlockHasher.extend``) and never hash those blocks again. Empty: hashed where
+    #: needed (a request that did not come through the router, or caching off)
+    block_hashes: tuple[BlockHash, ...] = ()
+
+    def chain(self, hasher: BlockHasher) -> list[BlockHash]:
+        """The prompt's chain: ``block_hashes`` extended by ``hasher`` to every full block."""
+        return hasher.extend(self.block_hashes, self.prompt_token_ids, cache_salt=self.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,14 +297,23 @@ class Engine(Protocol):
         ...
 
     def import_checkpoint(
-        self, kv: KVExport, state: StateCheckpoint, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        kv: KVExport,
+        state: StateCheckpoint,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        hashes: Sequence[BlockHash] = (),
     ) -> bool:
         """Enter a verified store checkpoint of ``token_ids`` into the local cache;
-        False when it could not (pools full, or the engine loads store hits itself)."""
+        False when it could not (pools full, or the engine loads store hits itself).
+        ``hashes``: the chain of (a prefix of) ``token_ids`` as the router hashed it."""
         ...
 
-    def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
-        """The hit an admission of this prompt would get now (no side effects)."""
+    def local_hit(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, hashes: Sequence[BlockHash] = ()
+    ) -> int:
+        """The hit an admission of this prompt would get now (no side effects;
+        ``hashes`` as in ``import_checkpoint``)."""
         ...
 
     def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:

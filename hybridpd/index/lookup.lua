@@ -5,11 +5,14 @@
 -- ARGV[4] "1" if EAGLE drops the last block
 -- ARGV[5] the chain as store KV keys, concatenated: prefix.."kv:"..h_1, prefix.."kv:"..h_2, ...
 --         (one string; all hashes have the length ARGV[6])
--- Returns {store_hit, known, inst_1, hit_1, inst_2, hit_2, ...} (tokens): the usable hits and
--- ``known``, the longest leading run of the chain's KV blocks any group (store or live
--- instance) holds, before the EAGLE drop: where the prompt leaves every known prefix (a junction).
--- An instance in the set whose heartbeat expired comes with hit -1: the caller removes it
--- from the set on the primary. The script never writes, so a replica can run it.
+-- ARGV[7] decode instances, "\n"-separated (may be empty): for decode affinity
+-- Returns {store_hit, known, n_held, dec_1, held_1, ..., inst_1, hit_1, inst_2, hit_2, ...}:
+-- the usable hits (tokens) and ``known``, the longest leading run of the chain's KV blocks any
+-- group (store or live instance) holds, before the EAGLE drop: where the prompt leaves every
+-- known prefix (a junction); then, for each of the n_held decode instances of ARGV[7], how many
+-- leading blocks of the whole chain its local cache holds (blocks, not tokens; no state rule:
+-- a handoff skips them). An instance in the set whose heartbeat expired comes with hit -1: the
+-- caller removes it from the set on the primary. The script never writes, so a replica can run it.
 --
 -- Cost: per group, the leading run of KV blocks is read in chunks of ~30
 -- hashes and stops at the first absent one (a miss costs one chunk, not the
@@ -128,7 +131,24 @@ local function exists31(o)
     sub(keys, o + 30 * stride + 1, o + 31 * stride))
 end
 
-local result = {0, 0}
+local result = {0, 0, 0}
+-- decode affinity: the leading run of each decode instance's KV blocks over the whole chain
+for dec in string.gmatch(ARGV[7] or "", "[^\n]+") do
+  local lkv = prefix .. "ikv:" .. dec
+  local lead = 0
+  while lead < n do
+    local last = math.min(lead + LOCAL_CHUNK, n)
+    hashes_upto(last)
+    local m = last - lead
+    local j = first_zero(redis.call("SMISMEMBER", lkv, unpack(H, lead + 1, last)), m)
+    lead = lead + j - 1
+    if j <= m then break end
+  end
+  table.insert(result, dec)
+  table.insert(result, lead)
+  result[3] = result[3] + 1
+end
+
 if cap > 0 then
   local function kv_keys(first, last)
     local k = {}

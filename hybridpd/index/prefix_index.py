@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
@@ -37,6 +37,9 @@ class LookupResult:
     store_hit: int
     instance_hits: Mapping[str, int] = field(default_factory=dict)
     known: int = 0
+    #: per decode instance asked about (``held_by``), how many leading blocks of the
+    #: chain its local cache holds: decode affinity, from the same round trip
+    held: Mapping[str, int] = field(default_factory=dict)
     #: which server answered: "primary" or "replica" (not part of the answer's value)
     source: str = field(default="primary", compare=False)
 
@@ -168,24 +171,6 @@ class PrefixIndex(IndexConnection):
             st = self.r.smembers(self.keys.local_st(instance))
         return {BlockHash(_raw(h)) for h in kv}, {BlockHash(_raw(h)) for h in st}
 
-    def held_blocks(self, instances: Sequence[str], block_hashes: Sequence[BlockHash]) -> dict[str, int]:
-        """Per instance, how many leading blocks of the chain its local cache holds
-        (one SMISMEMBER each, in one round trip): decode affinity."""
-        if not instances or not block_hashes:
-            return {}
-        with mapped():
-            pipe = self.r.pipeline(transaction=False)
-            for inst in instances:
-                pipe.smismember(self.keys.local_kv(inst), list(block_hashes))
-            rows = pipe.execute()
-        out = {}
-        for inst, row in zip(instances, rows, strict=True):
-            n = 0
-            while n < len(row) and row[n]:
-                n += 1
-            out[inst] = n
-        return out
-
     def refresh_local(self, instance: str) -> None:
         """Refresh the TTL of ``instance``'s local entries without a heartbeat (a
         decode instance: not a prefill candidate, so not in the instance set)."""
@@ -222,16 +207,27 @@ class PrefixIndex(IndexConnection):
         return [n for n, v in zip(names, alive, strict=True) if v is not None]
 
     # -- the lookup ------------------------------------------------------------------
-    def lookup(self, block_hashes: Sequence[BlockHash], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
-        """One EVALSHA: the store hit, each live instance's local hit and how far the chain is known
-        (on a replica with ``read_replicas``; dead instances it reports are then removed on the primary)."""
-        packed = _pack_lookup(self.keys, block_hashes, num_tokens, unit, eagle)
+    def lookup(
+        self,
+        block_hashes: Sequence[BlockHash],
+        num_tokens: int,
+        unit: int,
+        eagle: bool,
+        held_by: Sequence[str] = (),
+    ) -> LookupResult:
+        """One EVALSHA: the store hit, each live instance's local hit, how far the chain is
+        known and how many leading blocks each of the ``held_by`` (decode) instances holds
+        (on a replica with ``read_replicas``; dead instances it reports are then removed on
+        the primary). ValueError for an instance name with a newline (the names' separator)."""
+        if any("\n" in name for name in held_by):
+            raise ValueError("instance names cannot hold a newline")
+        packed = _pack_lookup(self.keys, block_hashes, num_tokens, unit, eagle, held_by)
         with mapped():
             res, source = self._evalsha(LOOKUP_ARGC, packed)
         hits, dead = _result(res)
         if dead:
             self._reap(dead)
-        return LookupResult(hits.store_hit, hits.instance_hits, hits.known, source)
+        return replace(hits, source=source)
 
     def _reap(self, dead: Sequence[str]) -> None:
         """Remove instances without a heartbeat from the set, on the primary, at most once a
@@ -278,11 +274,14 @@ class PrefixIndex(IndexConnection):
         return [(int(n or 0), float(t or 0.0)) for n, t in rows]
 
 
-#: arguments of lookup.lua: prefix, num_tokens, unit, eagle, the chain's KV keys, hash length
-LOOKUP_ARGC = 6
+#: arguments of lookup.lua: prefix, num_tokens, unit, eagle, the chain's KV keys, hash length,
+#: the decode instances
+LOOKUP_ARGC = 7
 
 
-def _pack_lookup(keys: IndexKeys, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool) -> bytes:
+def _pack_lookup(
+    keys: IndexKeys, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool, held_by: Sequence[str] = ()
+) -> bytes:
     """lookup.lua's arguments as RESP bulk strings. The chain goes as ONE string, its
     store KV keys back to back (``prefix + "kv:" + h`` each, joined in C): Redis
     then parses 6 arguments instead of 1,285, and the script cuts keys and hashes
@@ -293,6 +292,8 @@ def _pack_lookup(keys: IndexKeys, hashes: Sequence[bytes], num_tokens: int, unit
     out += (b"$%d\r\n" % len(chain), chain, b"\r\n")  # one copy of the chain, in the final join
     size = b"%d" % (len(hashes[0]) if hashes else 0)
     out.append(b"$%d\r\n%s\r\n" % (len(size), size))
+    names = "\n".join(held_by).encode()
+    out.append(b"$%d\r\n%s\r\n" % (len(names), names))
     return b"".join(out)
 
 
@@ -301,15 +302,18 @@ def _arg(x: object) -> bytes:
 
 
 def _result(res: Sequence[Any]) -> tuple[LookupResult, list[str]]:
-    """lookup.lua's reply: the hits of the live instances, and the dead ones (hit -1)."""
+    """lookup.lua's reply: the hits of the live instances, the decode instances' held
+    blocks, and the dead instances (hit -1)."""
+    first = 3 + 2 * int(res[2])
+    held = {res[i].decode(): int(res[i + 1]) for i in range(3, first, 2)}
     inst, dead = {}, []
-    for i in range(2, len(res), 2):
+    for i in range(first, len(res), 2):
         name, hit = res[i].decode(), int(res[i + 1])
         if hit < 0:
             dead.append(name)
         else:
             inst[name] = hit
-    return LookupResult(int(res[0]), inst, int(res[1])), dead
+    return LookupResult(int(res[0]), inst, int(res[1]), held), dead
 
 
 def _raw(field: bytes | str) -> bytes:

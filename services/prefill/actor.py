@@ -195,7 +195,7 @@ class PrefillWorker(WorkerBase):
             self.counters.handoff_offered_bytes += ticket.nbytes if ticket is not None else 0
         self.publisher.flush(PUBLISH_WAIT_S)  # the router's next lookup sees this prompt's cache
         if out.num_cached_tokens > 0:  # a reuse of the checkpoint there (its value: checkpoint_value.py)
-            self.publisher.record_hit(req.prompt_token_ids, req.cache_salt, out.num_cached_tokens)
+            self.publisher.record_hit(req, out.num_cached_tokens)
         if ticket is None and not out.new_token_ids and out.finish_reason is not FinishReason.ABORT:
             raise UnavailableError(
                 "prefill of %s on %s produced neither a token nor a handoff" % (req.request_id, self.name)
@@ -222,14 +222,14 @@ class PrefillWorker(WorkerBase):
         u = self.engine.unit
         tokens = list(req.prompt_token_ids)
         with self.loop.lock:
-            local = self.engine.local_hit(tokens, req.cache_salt)
+            local = self.engine.local_hit(tokens, req.cache_salt, req.block_hashes)
         if cmd.store_hit <= local:
             return 0
         # NOTE: where EAGLE replays (a prefill engine with a drafter: eagle_drop_prefill) the hit
         # rule drops the last cached block, so load the replay block after the hit too (the
         # lookup promised it).
         kv_end = min(cmd.store_hit + (u if self.profile.eagle_drop_prefill else 0), len(tokens) // u * u)
-        hashes = self.engine.hasher.chain(tokens[:kv_end], cache_salt=req.cache_salt)
+        hashes = self.engine.hasher.extend(req.block_hashes, tokens[:kv_end], cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
             ck = fetch_checkpoint(self.index, self.store, hashes, u, cmd.store_hit, self._refused)
@@ -245,7 +245,7 @@ class PrefillWorker(WorkerBase):
             self.counters.store_get_bytes += sum(b.numel() * b.element_size() for b in ck[0].buffers + ck[1].buffers)
         try:
             with self.loop.lock:
-                ok = self.engine.import_checkpoint(ck[0], ck[1], tokens, req.cache_salt)
+                ok = self.engine.import_checkpoint(ck[0], ck[1], tokens, req.cache_salt, hashes)
         except IntegrityError as exc:  # verified by the store, refused by the engine: recompute
             logger.warning("checkpoint refused by the engine (%s): recomputing", exc)
             ok = False
@@ -271,9 +271,7 @@ class PrefillWorker(WorkerBase):
         n = len(req.prompt_token_ids)
         pos = checkpoint_position(n, self.engine.unit, self.profile.eagle_drop_prefill)
         if pos > 0:
-            self.publisher.tag_answer(
-                self.engine.hasher.chain(req.prompt_token_ids[:pos], cache_salt=req.cache_salt)[-1]
-            )
+            self.publisher.tag_answer(req.chain(self.engine.hasher)[pos // self.engine.unit - 1])
 
     def abort(self, request_id: str) -> bool:
         return self.loop.abort(request_id)

@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 from hybridpd.engine.base import Engine, EngineRequest
 from services.worker.engine_loop import EngineLoop
@@ -111,8 +112,10 @@ class AnswerCheckpoints:
                     self.counters.answer_checkpoints_failed += 1
 
     def _one(self, req: EngineRequest, t0: float) -> None:
+        # the router's chain covers the prompt: hash the answer's blocks once, here
+        req = replace(req, block_hashes=tuple(req.chain(self.engine.hasher)))
         with self.loop.lock:
-            hit = self.engine.local_hit(list(req.prompt_token_ids), req.cache_salt)
+            hit = self.engine.local_hit(list(req.prompt_token_ids), req.cache_salt, req.block_hashes)
         if len(req.prompt_token_ids) - hit > self.max_recompute:
             # the prompt's checkpoint is gone here: recomputing a long conversation is not worth it
             with self.counters_lock:

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from hybridpd.checkpoint_value import LINEAR_ONLY, ComputeModel, ValueLedger
-from hybridpd.engine.base import Engine
+from hybridpd.engine.base import Engine, EngineRequest
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.store.client import CheckpointStore
@@ -82,8 +82,8 @@ class CachePublisher:
         if events and self.mirror is not None:
             self.mirror.add(events)
 
-    def record_hit(self, token_ids: Sequence[int], cache_salt: str | None, num_cached: int) -> None:
-        self.writer.record_hit(token_ids, cache_salt, num_cached)
+    def record_hit(self, request: EngineRequest, num_cached: int) -> None:
+        self.writer.record_hit(request, num_cached)
 
     def tag_answer(self, key: BlockHash) -> None:
         self.writer.tag_answer(key)

@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hybridpd.checkpoint_value import ShareFull
-from hybridpd.engine.base import KVExport, StateCheckpoint
+from hybridpd.engine.base import EngineRequest, KVExport, StateCheckpoint
 from hybridpd.errors import UnavailableError
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.index.prefix_index import PrefixIndex
@@ -30,10 +30,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class _Hit:
-    """A prefill that restored ``tokens`` (a prefix ending at a state checkpoint) at ``at``."""
+    """A prefill of ``request`` that restored its first ``num_cached`` tokens (a prefix
+    ending at a state checkpoint) at ``at``."""
 
-    tokens: tuple[int, ...]
-    cache_salt: str | None
+    request: EngineRequest
+    num_cached: int
     at: float
 
 
@@ -71,12 +72,13 @@ class StoreWriter:
     def put(self, kv: KVExport, st: StateCheckpoint) -> None:
         self._queue.put((kv, st))
 
-    def record_hit(self, token_ids: Sequence[int], cache_salt: str | None, num_cached: int) -> None:
-        """A prefill restored its first ``num_cached`` tokens (a local or store hit):
-        count a reuse of the state checkpoint there. Ignored without a store or an index."""
+    def record_hit(self, request: EngineRequest, num_cached: int) -> None:
+        """A prefill of ``request`` restored its first ``num_cached`` tokens (a local or
+        store hit): count a reuse of the state checkpoint there (keyed by the request's
+        chain, hashed only where it came without one). Ignored without a store or an index."""
         if self.store is None or self.index is None or self.hasher is None or num_cached <= 0 or num_cached % self.unit:
             return
-        self._queue.put(_Hit(tuple(token_ids[:num_cached]), cache_salt, self.budget.clock()))
+        self._queue.put(_Hit(request, num_cached, self.budget.clock()))
 
     def tag_answer(self, key: BlockHash) -> None:
         """The export of state ``key`` will be an answer checkpoint's: its bytes count
@@ -103,10 +105,11 @@ class StoreWriter:
                 continue
             try:
                 if isinstance(item, _Hit):
-                    if self.index_healthy():
-                        assert self.hasher is not None
-                        key = self.hasher.chain(list(item.tokens), cache_salt=item.cache_salt)[-1]
-                        self.budget.record_hit(key, item.at)
+                    if self.index_healthy() and self.hasher is not None:  # record_hit queues none without
+                        req, n = item.request, item.num_cached
+                        tokens = req.prompt_token_ids[:n]
+                        chain = self.hasher.extend(req.block_hashes, tokens, cache_salt=req.cache_salt)
+                        self.budget.record_hit(chain[-1], item.at)
                 else:
                     self._export(*item)
             except Exception:  # this thread must outlive any one item

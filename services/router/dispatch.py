@@ -32,8 +32,8 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
 
 from ray.exceptions import RayActorError
 
@@ -68,12 +68,15 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Route:
     decision: RouteDecision
-    #: the prompt's chain hashes (None when caching or the index is off)
+    #: the prompt's chain hashes (None when caching is off)
     hashes: list[BlockHash] | None
     #: how far the prompt's attention blocks are cached anywhere (tokens; the index lookup)
     known: int = 0
     #: the lookup answered: ``known`` (and :meth:`Dispatcher.seen`) say why the prefix (did not) hit
     looked_up: bool = False
+    #: per decode instance, the leading blocks of the chain it holds (decode affinity; the
+    #: same lookup's answer, empty without one or with one decode instance)
+    held: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,7 @@ class _Hits:
     store: int
     index_ok: bool
     known: int = 0
+    held: Mapping[str, int] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -141,10 +145,18 @@ class Dispatcher:
         names = self.liveness.routable(sorted(self.prefill_actors))
         if force is not None and force not in self.prefill_actors:
             raise NotFoundError("no prefill instance %r" % force[:100])  # the instance names are not a client's
+        # NOTE: off the event loop: a 164K-token chain is ~0.8 ms of C (it holds the GIL while it
+        # reads the list's ints; an int32 buffer would let it run without). Hashed once here: the
+        # chain travels with the request (``EngineRequest.block_hashes``), nothing hashes it again
+        hashes = (
+            await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
+            if self.cfg.enable_prefix_caching
+            else None
+        )
         if self.cfg.routing == "round_robin" and force is None:
             name = names[next(self._rr_prefill) % len(names)]
-            return Route(RouteDecision(name, 0, 0, 0, "round_robin"), None)
-        hits = await self._lookup(req)
+            return Route(RouteDecision(name, 0, 0, 0, "round_robin"), hashes)
+        hits = await self._lookup(req, hashes)
         if force is not None:
             lh = hits.local.get(force, 0)
             decision = RouteDecision(force, max(lh, hits.store), hits.store, lh, "forced")
@@ -154,7 +166,7 @@ class Dispatcher:
                 len(req.prompt_token_ids), names, hits.local, hits.store, self.queued, hits.index_ok, spread
             )
         looked_up = hits.index_ok and hits.hashes is not None
-        return Route(decision, hits.hashes, hits.known, looked_up)
+        return Route(decision, hits.hashes, hits.known, looked_up, hits.held)
 
     def with_junction(self, req: EngineRequest, route: Route, boundaries: tuple[int, ...] = ()) -> EngineRequest:
         """``req`` as its prefill runs it, with the extra checkpoints of its route's
@@ -162,23 +174,22 @@ class Dispatcher:
         d = route.decision
         return self.checkpoints.for_prefill(req, d.expected_hit, route.known, route.looked_up, boundaries)
 
-    async def _lookup(self, req: EngineRequest) -> _Hits:
-        """Hash the prompt and look it up: local hits (raised by RecentPrefills) and the store hit."""
-        if self.index is None or not self.cfg.enable_prefix_caching:
-            return _Hits(None, {}, 0, self.index is not None)
+    async def _lookup(self, req: EngineRequest, hashes: list[BlockHash] | None) -> _Hits:
+        """Look the prompt's chain ``hashes`` up (None: caching is off): local hits
+        (raised by RecentPrefills) and the store hit."""
+        if self.index is None or hashes is None:
+            return _Hits(hashes, {}, 0, self.index is not None)
         n = len(req.prompt_token_ids)
-        # NOTE: off the event loop: a 164K-token chain is ~0.8 ms of C (it holds the GIL while it
-        # reads the list's ints; an int32 buffer would let it run without)
-        hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
         t0 = time.perf_counter()
         try:
             m = n - self.prefill_backoff if n > self.prefill_backoff else n  # the tokens the prefill computes
             u, drop = self.cfg.prefix_match_unit, self.profile.eagle_drop_prefill
-            res = await asyncio.to_thread(self.index.lookup, hashes, m, u, drop)
+            decode = sorted(self.decode_actors) if len(self.decode_actors) > 1 else []  # decode affinity
+            res = await asyncio.to_thread(self.index.lookup, hashes, m, u, drop, decode)
             self.metrics.index_lookups.labels(res.source).inc()
             self.metrics.live_prefill.set(len(res.instance_hits))
             local = self.recent.merge(hashes, m, res.instance_hits)
-            return _Hits(hashes, local, res.store_hit, True, res.known)
+            return _Hits(hashes, local, res.store_hit, True, res.known, res.held)
         except UnavailableError as exc:
             logger.warning("prefix index unavailable, routing on load only: %s", exc)
             return _Hits(hashes, {}, 0, False)
@@ -263,7 +274,7 @@ class Dispatcher:
             raise
         finally:
             self.queued[name] -= work
-        if hashes:
+        if hashes and self.index is not None:
             self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens, pr.tail_checkpoint)
             for position in pr.extra_checkpoints:
                 self.recent.record(pr.instance, hashes, n, pr.num_cached_tokens, position)
@@ -285,16 +296,16 @@ class Dispatcher:
         req: EngineRequest,
         flight: Flight,
         deadline: Deadline,
-        hashes: Sequence[BlockHash] | None = None,
+        held: Mapping[str, int] | None = None,
     ) -> AsyncGenerator[TokenChunk, None]:
         """Decode chunks of ``req`` continued from ``pr`` (which has a handoff), until
-        the stream ends (``hashes``: the prompt's chain, when its route computed it).
+        the stream ends (``held``: its route's ``Route.held``, decode affinity).
         A handoff that fails (IntegrityError, HandoffError, a dead actor) before the
         first chunk is prefilled and decoded once more; later, or a second time, the
         request fails with UnavailableError."""
         failed: str | None = None
         for attempt in range(2):
-            name = await self._pick_decode(req, avoid=failed, hashes=hashes)
+            name = self._pick_decode(avoid=failed, held=held or {})
             actor = self.decode_actors[name]
             flight.hold(actor)
             stream = actor.generate(pr, req)
@@ -317,23 +328,14 @@ class Dispatcher:
                 stream.close()
                 self.decoding[name] -= 1
 
-    async def _pick_decode(
-        self, req: EngineRequest, avoid: str | None = None, hashes: Sequence[BlockHash] | None = None
-    ) -> str:
-        """The decode instance for ``req`` (``routing.choose_decode``): with more than
-        one, the index says which holds the prompt's leading blocks (one round trip;
-        an index failure degrades to round robin). ``avoid``: the one whose handoff
-        just failed (unless it is the only one)."""
+    def _pick_decode(self, avoid: str | None, held: Mapping[str, int]) -> str:
+        """The decode instance (``routing.choose_decode``): with more than one, the one
+        that holds most of the prompt's leading blocks (``held``: the route's lookup
+        answered it in its round trip; empty, as without the index or when it failed:
+        round robin). ``avoid``: the one whose handoff just failed (unless it is the only one)."""
         every = sorted(self.decode_actors)
         names = [n for n in self.liveness.routable(every) if n != avoid] or every
-        held: dict[str, int] = {}
-        if len(names) > 1 and self.index is not None and self.cfg.enable_prefix_caching:
-            if hashes is None:  # the route's chain, else hashed once more
-                hashes = await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
-            try:
-                held = await asyncio.to_thread(self.index.held_blocks, names, hashes)
-            except Exception as exc:  # affinity is an optimisation: never fail a request for it
-                logger.warning("prefix index unavailable, decode by round robin: %s", exc)
+        held = {n: held[n] for n in names if n in held}
         name, kind = choose_decode(names, held, self.decoding, self.cfg.decode_affinity_slack, next(self._rr_decode))
         self.metrics.decode_routing.labels(kind).inc()
         return name

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from hybridpd.hashing import hashed_blocks
 from hybridpd.prefix_outcomes import PREFIX_OUTCOMES
 from services.worker.frames import REFUSALS
 
@@ -142,7 +147,23 @@ class RouterMetrics:
         )
         for reason in REFUSALS:
             self.token_frames_refused.labels(reason)
+        r.register(_HashedBlocks())
 
     def token_frame_refused(self, reason: str) -> None:
         """The token sink refused a frame (``TokenSink``'s ``on_refused``)."""
         self.token_frames_refused.labels(reason).inc()
+
+
+class _HashedBlocks(Collector):
+    """``hybridpd_hashed_blocks_total``: the blocks this router process hashed
+    (``hashing.hashed_blocks``): one chain per routed prompt, which travels with
+    the request; the workers report theirs in ``/v1/hybridpd/stats``."""
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "hybridpd_hashed_blocks",
+            "Prompt blocks (prefix_match_unit tokens) the router hashed into chain hashes: each prompt once,"
+            " the chain travels to prefill and decode with the request.",
+        )
+        family.add_metric([], hashed_blocks())
+        yield family

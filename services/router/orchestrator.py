@@ -22,16 +22,15 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import ParamSpec, TypeVar
 
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import EngineRequest, RequestId, SamplingParams, TokenLogprobs
 from hybridpd.errors import EngineError, InvalidRequestError, UnavailableError
-from hybridpd.hashing import BlockHash
 from hybridpd.index.prefix_index import PrefixIndex
 from hybridpd.prefix_outcomes import prefix_token_split
 from hybridpd.tokenizer import TextTokenizer
@@ -76,7 +75,8 @@ class _Run:
     finish_reason: str | None = None
     #: the slot this request took itself (it came without a ticket): released at its end
     own: Ticket | None = None
-    hashes: Sequence[BlockHash] | None = None  # the prompt's chain (its route's): decode affinity reads it
+    #: the decode instances' held blocks of the prompt (its route's lookup): decode affinity
+    held: Mapping[str, int] = field(default_factory=dict)
 
 
 class Orchestrator:
@@ -166,7 +166,7 @@ class Orchestrator:
                     return
             elif not pr.has_handoff:
                 raise UnavailableError("prefill of %s returned neither a token nor a handoff" % req.request_id)
-            async with aclosing(self.dispatch.decode(pr, req, run.flight, run.deadline, run.hashes)) as chunks:
+            async with aclosing(self.dispatch.decode(pr, run.req, run.flight, run.deadline, run.held)) as chunks:
                 async for chunk in chunks:
                     ev = self._decoded(run, out, chunk)
                     yield ev
@@ -186,9 +186,11 @@ class Orchestrator:
         result and, for a looked-up request, why its prompt tokens were (not) restored
         and the hit the index promised on the instance it was routed to (counted kept
         or broken against what the prefill restored)."""
+        route = await self.dispatch.route(run.req, force_instance)
+        decision, run.held = route.decision, route.held
+        if route.hashes is not None:  # the chain travels with the request: prefill and decode hash nothing
+            run.req = replace(run.req, block_hashes=tuple(route.hashes))
         req = run.req
-        route = await self.dispatch.route(req, force_instance)
-        decision, run.hashes = route.decision, route.hashes
         self.metrics.routing.labels(decision.kind).inc()
         self.metrics.queue_time.observe(run.deadline.elapsed())
         preq = self.dispatch.with_junction(req, route, run.boundaries)
@@ -325,6 +327,7 @@ class Orchestrator:
             SamplingParams(max_tokens=1),
             req.cache_salt,
             background=True,
+            block_hashes=req.block_hashes,  # the prompt's chain: the prefill hashes only the answer's blocks
         )
         if self.dispatch.answer(run.instance, warm):
             self.metrics.answer_checkpoints.inc()

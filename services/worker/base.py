@@ -14,6 +14,7 @@ import hybridpd
 from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import Engine
 from hybridpd.errors import EngineError, HybridPDError, StartupError, UnavailableError
+from hybridpd.hashing import hashed_blocks
 from services.worker.engine_loop import EngineLoop
 from services.worker.metrics import ActorMetrics, DecodeCounters, PrefillCounters
 
@@ -43,6 +44,9 @@ class WorkerBase:
             "pid": os.getpid(),
             "ray_node_id": _ray_node_id(),
             "pool": asdict(pool),
+            #: blocks this worker's process hashed (``hashing.hashed_blocks``): only what came
+            #: without the router's chain (an answer's new blocks, a request not routed)
+            "hashed_blocks": hashed_blocks(),
             **counters,
         }
 

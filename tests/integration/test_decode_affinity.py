@@ -11,9 +11,8 @@ choosing between them (``routing.choose_decode``).
 from __future__ import annotations
 
 import asyncio
-import types
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, cast
 
 import pytest
@@ -72,47 +71,39 @@ def test_the_next_turn_goes_to_the_holder_unless_it_is_overloaded(
     answer = _turn(prefill, decoders[first], "t1", toks)
     nxt = toks + tuple(answer) + prompt(30, 22)
 
-    # the decode instance's cache events reach the index under its name
+    # the decode instance's cache events reach the index under its name; the route's one
+    # lookup answers how much of the chain each decode instance holds
     index = PrefixIndex(redis_server.url, prefill.model_id)
     chain = prefill.hasher.chain(list(nxt))
-    wait_until(
-        lambda: index.held_blocks([first, second], chain) == {first: 150 // u, second: 0},
-        10,
-        0.02,
-        "decode's blocks in the index",
-    )
+
+    def held(c: list[Any]) -> Mapping[str, int]:
+        return index.lookup(c, len(nxt), u, False, [first, second]).held
+
+    wait_until(lambda: held(chain) == {first: 150 // u, second: 0}, 10, 0.02, "decode's blocks in the index")
 
     cfg = load_config(env={}, overrides={"decode_affinity_slack": 2})
     metrics = RouterMetrics()
     disp = Dispatcher(cfg, index, {}, cast("dict[str, Any]", dict.fromkeys(decoders)), metrics)
+    hits = asyncio.run(disp._lookup(_req("t2", nxt), chain))
+    assert hits.held == {first: 150 // u, second: 0}  # the Dispatcher asks for its decode instances
 
-    async def pick() -> str:
-        return await disp._pick_decode(_req("t2", nxt))
+    def pick() -> str:
+        return disp._pick_decode(None, hits.held)
 
-    assert asyncio.run(pick()) == first  # the holder
+    assert pick() == first  # the holder
     disp.decoding = {first: 2, second: 0}  # two more than the least busy: overloaded
-    assert asyncio.run(pick()) == second
+    assert pick() == second
     disp.decoding = {first: 1, second: 0}
-    assert asyncio.run(pick()) == first
-    assert asyncio.run(disp._pick_decode(_req("other", prompt(150, 23)))) in (first, second)  # no holder
+    assert pick() == first
+    assert disp._pick_decode(None, held(prefill.hasher.chain(list(prompt(150, 23))))) in (first, second)  # none
+    assert disp._pick_decode(first, hits.held) == second  # the one whose handoff failed is avoided
     got = {
         s.labels["decision"]: s.value
         for m in metrics.decode_routing.collect()
         for s in m.samples
         if s.name.endswith("_total")
     }
-    assert got == {"affinity": 2.0, "overloaded": 1.0, "round_robin": 1.0}
-
-    # the route's chain is passed on: decode affinity does not hash the prompt again (#53)
-    hasher = disp.hasher
-
-    def hashed_again(*args: Any, **kwargs: Any) -> None:
-        raise AssertionError("the prompt was hashed again")
-
-    disp.hasher = cast("Any", types.SimpleNamespace(chain=hashed_again))
-    disp.decoding = {}
-    assert asyncio.run(disp._pick_decode(_req("t2", nxt), hashes=chain)) == first
-    disp.hasher = hasher
+    assert got == {"affinity": 2.0, "overloaded": 1.0, "round_robin": 2.0}
 
     # on the holder, the next turn's handoff reads only what it lacks
     before = decoders[first].stats()

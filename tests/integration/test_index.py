@@ -147,6 +147,25 @@ def test_lookup_key_layout(redis_server: RedisServer, algo: HashAlgo) -> None:
         index.lookup([chain[0], BlockHash(chain[1][:8])], 3 * UNIT, UNIT, False)
 
 
+def test_the_lookup_answers_decode_affinity_in_its_round_trip(redis_server: RedisServer) -> None:
+    """``held_by``: each decode instance's leading run of the whole chain's KV blocks
+    (across SMISMEMBER chunks and past the hit cap, without the state rule), whether
+    or not it heartbeats; the hits are unchanged; a name with the separator is refused."""
+    index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8])
+    chain = HASHER.chain(list(range(100 * UNIT)))
+    index.publish_local("d0", chain[:75], [])  # 75: two chunks of 30 and 15 more
+    index.publish_local("d1", chain[:3] + chain[4:90], [])  # a hole at block 4
+    index.publish_local("d2", chain, [])  # all 100, though the hit cap is 99
+    index.publish_local("p", chain[:50], [chain[49]])
+    index.heartbeat("p")
+    got = index.lookup(chain, 100 * UNIT, UNIT, False, ["d0", "d1", "d2", "d3"])
+    assert got.held == {"d0": 75, "d1": 3, "d2": 100, "d3": 0}
+    assert got.instance_hits == {"p": 50 * UNIT} == index.lookup(chain, 100 * UNIT, UNIT, False).instance_hits
+    assert index.lookup(chain, 100 * UNIT, UNIT, False).held == {}
+    with pytest.raises(ValueError, match="newline"):
+        index.lookup(chain, 100 * UNIT, UNIT, False, ["a\nb"])
+
+
 def test_dead_instances_drop_out(redis_server: RedisServer) -> None:
     index = PrefixIndex(redis_server.url, "m-" + uuid.uuid4().hex[:8], heartbeat_ttl_s=0.3)
     chain = HASHER.chain(list(range(40)))

@@ -226,3 +226,41 @@ def test_large_and_numpy_inputs() -> None:
 def test_invalid_unit() -> None:
     with pytest.raises(ValueError):
         BlockHasher(unit=0)
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_extend_hashes_only_the_blocks_after_the_known_chain(salt: str | None) -> None:
+    """``extend``: the chain of the whole prompt, equal to ``chain``'s, hashing only what
+    the known chain (the router's) does not cover, and nothing when it covers it all."""
+    h = BlockHasher(unit=4)
+    prompt = list(range(1, 31))  # 7 full blocks
+    want = h.chain(prompt, cache_salt=salt)
+    before = hashing.hashed_blocks()
+    assert h.extend(want, prompt, cache_salt=salt) == want
+    assert h.extend(want, prompt[:13], cache_salt=salt) == want[:3]  # a longer chain is cut
+    assert hashing.hashed_blocks() == before
+    assert h.extend(want[:3], prompt, cache_salt=salt) == want
+    assert hashing.hashed_blocks() == before + 4
+    assert h.extend([], prompt, cache_salt=salt) == want
+    assert hashing.hashed_blocks() == before + 4 + 7
+
+
+def test_extend_refuses_hashes_of_another_length() -> None:
+    h = BlockHasher(unit=4)
+    with pytest.raises(ValueError, match="32-byte"):
+        h.extend([BlockHash(b"x" * 16)], list(range(8)))
+
+
+def test_an_engine_request_carries_its_chain() -> None:
+    from hybridpd.engine.base import EngineRequest, RequestId
+
+    h = BlockHasher(unit=4)
+    prompt = tuple(range(1, 19))
+    plain = EngineRequest(RequestId("a"), prompt, cache_salt="s")
+    want = plain.chain(h)
+    routed = EngineRequest(RequestId("a"), prompt, cache_salt="s", block_hashes=tuple(want))
+    answer = EngineRequest(RequestId("b"), (*prompt, 7, 8, 9, 10, 11), cache_salt="s", block_hashes=tuple(want))
+    before = hashing.hashed_blocks()
+    assert routed.chain(h) == want
+    assert answer.chain(h)[:4] == want and len(answer.chain(h)) == 5
+    assert hashing.hashed_blocks() == before + 2  # the answer's one new block, twice

@@ -150,7 +150,7 @@ class ToyEngine:
 
     # -- cache --------------------------------------------------------------------------
     def _store(self, req: EngineRequest) -> None:
-        chain = self.hasher.chain(req.prompt_token_ids, cache_salt=req.cache_salt)
+        chain = req.chain(self.hasher)
         new = tuple(h for h in chain if h not in self.cache)
         for h in chain:
             self.cache[h] = None
@@ -174,13 +174,20 @@ class ToyEngine:
         return []
 
     def import_checkpoint(
-        self, kv: KVExport, state: StateCheckpoint, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        kv: KVExport,
+        state: StateCheckpoint,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        hashes: Sequence[BlockHash] = (),
     ) -> bool:
         return False
 
-    def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    def local_hit(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, hashes: Sequence[BlockHash] = ()
+    ) -> int:
         hit = 0
-        for h in self.hasher.chain(token_ids, cache_salt=cache_salt):
+        for h in self.hasher.extend(hashes, token_ids, cache_salt=cache_salt):
             if h not in self.cache:
                 break
             hit += self.unit

@@ -69,7 +69,7 @@ from hybridpd.engine.native.sequence import SeqStatus, Sequence, stop_reason
 from hybridpd.engine.native.step import RowResult, ScheduledWork
 from hybridpd.engine.profile import native_profile
 from hybridpd.errors import ConfigError, IntegrityError, InvalidRequestError, OverloadedError
-from hybridpd.hashing import BlockHasher
+from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.integrity import block_hash_seed, load_key
 from hybridpd.validation import check_features, validate_request
 
@@ -175,7 +175,7 @@ class NativeEngine:
             request,
             prompt,
             len(prompt),
-            self.hasher.chain(prompt, cache_salt=request.cache_salt),
+            request.chain(self.hasher),
             prefill_only=prefill_only,
         )
         self._check_fits(seq)
@@ -270,10 +270,15 @@ class NativeEngine:
         return self.cache.pop_events()
 
     def import_checkpoint(
-        self, kv: KVExport, state: StateCheckpoint, token_ids: Seq[int], cache_salt: str | None = None
+        self,
+        kv: KVExport,
+        state: StateCheckpoint,
+        token_ids: Seq[int],
+        cache_salt: str | None = None,
+        hashes: Seq[BlockHash] = (),
     ) -> bool:
         """Enter a verified store checkpoint of ``token_ids`` (``PrefixCache.import_checkpoint``)."""
-        return self.cache.import_checkpoint(kv, state, token_ids, cache_salt)
+        return self.cache.import_checkpoint(kv, state, token_ids, cache_salt, hashes)
 
     # -- handoffs (P/D) ------------------------------------------------------------------
     def pop_handoff(self, request_id: str) -> NativeTicket | None:
@@ -318,8 +323,7 @@ class NativeEngine:
             self._validate(request)
             n = len(request.prompt_token_ids)
             self.runner.check_handoff(handoff, n)
-            chain = self.hasher.chain(list(request.prompt_token_ids), cache_salt=request.cache_salt)
-            seq = Sequence(request, [*request.prompt_token_ids, handoff.first_token_id], n, chain)
+            seq = Sequence(request, [*request.prompt_token_ids, handoff.first_token_id], n, request.chain(self.hasher))
             seq.num_cached = handoff.num_cached_tokens
             self._check_fits(seq)
         except BaseException:
@@ -352,9 +356,9 @@ class NativeEngine:
         self.transport.close()
 
     # -- introspection -------------------------------------------------------------------
-    def local_hit(self, token_ids: Seq[int], cache_salt: str | None = None) -> int:
+    def local_hit(self, token_ids: Seq[int], cache_salt: str | None = None, hashes: Seq[BlockHash] = ()) -> int:
         """The hit an admission of this prompt would get now (no side effects)."""
-        return prefill_plan.probe_hit(self.scheduler, self.hasher, token_ids, cache_salt)
+        return prefill_plan.probe_hit(self.scheduler, self.hasher, token_ids, cache_salt, hashes)
 
     def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
         """The scheduler's tail from a hit of ``num_cached`` (``prefill_plan.tail_checkpoint``)."""

@@ -2,7 +2,8 @@
 it is about to receive, held from ``prepare_handoff`` until ``add_handoff``
 hands them to the request or ``abort`` releases them.
 
-A block is pinned when its chain hash, computed here from the request, equals
+A block is pinned when its chain hash, the request's (the router's chain, carried
+by ``EngineRequest.block_hashes``; hashed here when it came without), equals
 the ticket's and the prefix cache holds it: the fetch skips those blocks
 (``FetchedHandoff.held``) and no admission evicts them meanwhile. A pin is a
 reference on a ``BlockPool`` slot (``touch``); released pins are freed tail
@@ -34,7 +35,7 @@ class HandoffPins:
         self.release(request.request_id)
         if not block_hashes:
             return 0
-        mine = self.hasher.chain(list(request.prompt_token_ids), cache_salt=request.cache_salt)
+        mine = request.chain(self.hasher)
         pins: dict[int, int] = {}
         for i, (theirs, h) in enumerate(zip(block_hashes, mine, strict=False)):
             slot = self.kv_pool.lookup(h) if theirs == h else None

@@ -14,18 +14,24 @@ from hybridpd.engine.base import EngineRequest, RequestId
 from hybridpd.engine.native.scheduler import Scheduler
 from hybridpd.engine.native.scheduler_config import SchedulerConfig
 from hybridpd.engine.native.sequence import Sequence
-from hybridpd.hashing import BlockHasher
+from hybridpd.hashing import BlockHash, BlockHasher
 
 
-def probe_hit(scheduler: Scheduler, hasher: BlockHasher, token_ids: Seq[int], cache_salt: str | None) -> int:
+def probe_hit(
+    scheduler: Scheduler,
+    hasher: BlockHasher,
+    token_ids: Seq[int],
+    cache_salt: str | None,
+    hashes: Seq[BlockHash] = (),
+) -> int:
     """The hit an admission of ``token_ids`` would get now (``Scheduler.hit_length``
-    of a probe that is never queued)."""
+    of a probe that is never queued; ``hashes``: the chain of a prefix, already known)."""
     tokens = list(token_ids)
     probe = Sequence(
         EngineRequest(RequestId("probe"), tuple(tokens)),
         tokens,
         len(tokens),
-        hasher.chain(tokens, cache_salt=cache_salt),
+        hasher.extend(hashes, tokens, cache_salt=cache_salt),
     )
     return scheduler.hit_length(probe)
 

@@ -159,9 +159,15 @@ class PrefixCache:
 
     # -- store hits ----------------------------------------------------------------------
     def import_checkpoint(
-        self, kv: KVExport, state: StateCheckpoint, token_ids: Seq[int], cache_salt: str | None = None
+        self,
+        kv: KVExport,
+        state: StateCheckpoint,
+        token_ids: Seq[int],
+        cache_salt: str | None = None,
+        known: Seq[BlockHash] = (),
     ) -> bool:
-        """Enter a checkpoint loaded from the store.
+        """Enter a checkpoint loaded from the store (``known``: the chain of a prefix
+        of ``token_ids`` already computed, the router's).
 
         Verifies that it belongs to ``token_ids`` (chain hash at its position;
         IntegrityError otherwise). True if its KV blocks and state are cached
@@ -174,7 +180,7 @@ class PrefixCache:
         exports.check_meta(state.meta, self.model_id, "state", st_shapes)
         if pos % self.unit or kv_pos % self.unit or not 0 < pos <= kv_pos <= len(token_ids):
             raise IntegrityError("checkpoint at %d / KV to %d do not fit unit %d" % (pos, kv_pos, self.unit))
-        hashes = self.hasher.chain(list(token_ids[:kv_pos]), cache_salt=cache_salt)
+        hashes = self.hasher.extend(known, list(token_ids[:kv_pos]), cache_salt=cache_salt)
         key = hashes[pos // self.unit - 1]
         if state.key != key:
             raise IntegrityError("checkpoint key does not match the prompt's chain hash at %d" % pos)

@@ -38,7 +38,7 @@ from hybridpd.engine.vllm.patches import (
 )
 from hybridpd.engine.vllm.sampling import vllm_sampling
 from hybridpd.errors import InvalidRequestError
-from hybridpd.hashing import BlockHasher
+from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.model_identity import engine_identity
 
 logger = logging.getLogger(__name__)
@@ -175,7 +175,9 @@ class VllmCore:
             raise InvalidRequestError(str(e)) from e
 
     # -- what its caches hold ----------------------------------------------------------------
-    def local_hit(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    def local_hit(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, hashes: Sequence[BlockHash] = ()
+    ) -> int:
         """What vLLM's local prefix cache would restore for ``token_ids`` now: its own
         admission lookup (``KVCacheManager.get_computed_blocks``, which reads the
         block pool's hash table only) on a request hashed by its engine core; 0

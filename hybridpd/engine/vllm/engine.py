@@ -67,6 +67,7 @@ from hybridpd.engine.vllm.outputs import VllmTicket, output, translate
 from hybridpd.engine.vllm.stage_plan import StagePlan
 from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages
 from hybridpd.errors import InvalidRequestError
+from hybridpd.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class VllmEngine(VllmCore):
     def _register(self, request: EngineRequest) -> None:
         """Tell the event feed the prompt's chain before vLLM can publish any of it."""
         if self.feed is not None and self.cfg.enable_prefix_caching:
-            self.feed.register_prompt(self.hasher.chain(request.prompt_token_ids, cache_salt=request.cache_salt))
+            self.feed.register_prompt(request.chain(self.hasher))
 
     def _admit_background(self) -> None:
         foreground = any(not v.request.background for v in self.live.values()) or self._sending()
@@ -355,7 +356,12 @@ class VllmEngine(VllmCore):
         return self.feed.pop() if self.feed is not None else []
 
     def import_checkpoint(
-        self, kv: KVExport, state: StateCheckpoint, token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        kv: KVExport,
+        state: StateCheckpoint,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        hashes: Sequence[BlockHash] = (),
     ) -> bool:
         """Never imports: store hits enter through vLLM's MooncakeStoreConnector
         (``imports_checkpoints`` is False, so workers do not call this)."""
