@@ -112,6 +112,24 @@ def listen_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     raise UnavailableError("no %d free ports on %s" % (n, host))
 
 
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on ``host:port`` now (None: it can). Bound with
+    SO_REUSEADDR as uvicorn binds, so a port left in TIME_WAIT is free; one that
+    another process listens on is not."""
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return exc
+    for family, kind, proto, _, addr in infos[:1]:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(addr)
+            except OSError as exc:
+                return exc
+    return None
+
+
 def port_open(host: str, port: int, timeout: float = 0.2) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

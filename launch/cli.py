@@ -103,6 +103,23 @@ def auth_line(cfg: HybridPDConfig) -> str:
     return "none: the API is OPEN to anyone who reaches %s (allow_anonymous; set --api-keys-file)" % cfg.host
 
 
+def check_router_ports(cfg: HybridPDConfig) -> None:
+    """Fail before anything starts when the router cannot listen on its HTTP or gRPC
+    port (another process holds it): UnavailableError naming the port and its flag.
+    A port lost after this check still fails ``up`` when the router binds it."""
+    from hybridpd.errors import UnavailableError
+    from hybridpd.procs import bind_error
+
+    for name, port in (("http_port", cfg.http_port), ("grpc_port", cfg.grpc_port)):
+        exc = bind_error(cfg.host, port)
+        if exc is not None:
+            flag = "--" + name.replace("_", "-")
+            raise UnavailableError(
+                "cannot listen on %s:%d (%s): %s; stop what holds it or choose another %s"
+                % (cfg.host, port, flag, exc.strerror or exc, flag)
+            )
+
+
 def key_line(cfg: HybridPDConfig) -> str:
     """The banner's word on the integrity key: its file (never the key)."""
     if cfg.integrity_key_file is None:
@@ -128,7 +145,8 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     the services named by --redis-url / --mooncake-master / --ray-address.
     Ctrl-C (or SIGTERM) drains: /ready turns false, new requests get 503, and
     the requests in flight finish (at most --drain-grace-s); then everything it
-    started stops. A second Ctrl-C stops at once.
+    started stops. A second Ctrl-C stops at once. An --http-port or --grpc-port
+    that another process holds ends it at once, before anything starts.
     """
     import asyncio
     import signal
@@ -146,6 +164,7 @@ def up(workdir: str | None, exit_after_start: bool, config_path: str | None, **f
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="hybridpd-"))
     stack = LocalStack(cfg, wd)
     try:
+        check_router_ports(cfg)
         urls = stack.start()
         click.echo("starting %d prefill and %d decode actors..." % (cfg.num_prefill, cfg.num_decode))
         stack.start_serving()

@@ -189,7 +189,7 @@ class RouterServer:
         )
         await self.grpc.start()
         health_task = await mark_serving(self.grpc)
-        http_task = asyncio.create_task(self.http.serve())
+        http_task = asyncio.create_task(self._serve_http())
         stop_task = asyncio.create_task(stop.wait())
         while not self.http.started and not http_task.done() and not stop.is_set():
             await asyncio.sleep(0.05)
@@ -211,6 +211,17 @@ class RouterServer:
             stop_task.cancel()
             health_task.cancel()
             await self.grpc.stop(grace=2)
+
+    async def _serve_http(self) -> None:
+        """uvicorn's serve; its exit when it cannot start (a port taken: it logs why and
+        calls sys.exit, which would leave the event loop at once) as UnavailableError."""
+        try:
+            await self.http.serve()
+        except SystemExit as exc:
+            raise UnavailableError(
+                "the HTTP server on %s:%d did not start (uvicorn exited, status %s; it logged why)"
+                % (self.http.config.host, self.http.config.port, exc.code)
+            ) from None
 
     async def drain(self, force: asyncio.Event) -> None:
         """Stop admitting (``Orchestrator.drain``: ``/ready`` and gRPC health false, new

@@ -57,9 +57,11 @@ def test_an_actor_failing_at_startup_ends_up_with_its_error(tmp_path: Path) -> N
 @pytest.mark.parametrize("taken", ["--http-port", "--grpc-port"])
 def test_a_port_taken_by_another_process_fails_before_the_ready_banner(tmp_path: Path, taken: str) -> None:
     """The stack says "Press Ctrl-C to stop." only once both servers listen: a port
-    lost between choosing it and binding it fails `hybridpd up` (which
-    StackProcess.start retries on fresh ports) instead of a stack that refuses
-    every connection."""
+    another process holds fails `hybridpd up` (which StackProcess.start retries on
+    fresh ports) instead of a stack that refuses every connection; it is found
+    before anything starts, and the error names the flag. A port lost after that
+    check fails the router's bind: test_errors_and_health.py
+    test_a_port_lost_before_the_bind_fails_before_ready."""
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
@@ -71,4 +73,5 @@ def test_a_port_taken_by_another_process_fails_before_the_ready_banner(tmp_path:
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "Press Ctrl-C" not in out, out[-4000:]
-    assert "already in use" in out.lower() or "failed to bind" in out.lower(), out[-4000:]
+    assert "already in use" in out.lower(), out[-4000:]
+    assert "(%s)" % taken in out, out[-4000:]  # the error names the flag to change

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -253,3 +254,22 @@ def test_routing_leaves_out_a_draining_instance_while_another_serves() -> None:
     assert asyncio.run(orch.dispatch.liveness._ping_all(1.0)) == ["prefill", "decode"]  # not ready
     # they refuse: a 503
     assert orch.dispatch.liveness.routable(["prefill-0", "prefill-1"]) == ["prefill-0", "prefill-1"]
+
+
+@pytest.mark.parametrize("taken", ["http", "grpc"])
+def test_a_port_lost_before_the_bind_fails_before_ready(taken: str) -> None:
+    """`hybridpd up` checks its ports before anything starts (e2e test_startup_failure);
+    a port taken after that check still fails the router's serve before ``ready``
+    (never a stack that says it is up and refuses every connection), with an error
+    of its own, not uvicorn's exit of the whole process."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        ports = [free_port(), free_port()]
+        ports[0 if taken == "http" else 1] = holder.getsockname()[1]
+        server = RouterServer(_orch([FakePrefill("prefill-0")]), "tiny", "127.0.0.1", *ports, _stats)
+        ready = asyncio.Event()
+        expected = UnavailableError if taken == "http" else RuntimeError  # grpc: "Failed to bind"
+        with pytest.raises(expected, match="did not start" if taken == "http" else "(?i)failed to bind"):
+            asyncio.run(asyncio.wait_for(server.serve(asyncio.Event(), ready), 30))
+    assert not ready.is_set()
