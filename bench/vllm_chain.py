@@ -9,7 +9,8 @@ hashes every full block of ``tokens`` (no salt, no adapter) from scratch:
   block hasher, ``vllm.v1.core.kv_cache_utils.get_request_block_hasher(unit,
   sha256_cbor)`` (or ``xxhash_cbor``, both from ``vllm.utils.hashing``),
   applied to a ``vllm.v1.request.Request`` of the tokens built without a
-  hasher, as ``tests/vllm/test_hash_equality.py`` builds one. That call is
+  hasher, as ``tests/vllm/test_hash_equality.py`` builds one (through
+  ``hybridpd.engine.vllm.adapter.request_block_chain``). That call is
   what vLLM runs for a new request's blocks (``Request.update_block_hashes``
   at construction): per block ``generate_block_hash_extra_keys``, a slice of
   ``request.all_token_ids`` and ``hash_block_tokens``. Building the
@@ -46,6 +47,7 @@ from typing import Any
 import cbor2
 import xxhash
 
+from hybridpd.engine.vllm import adapter
 from hybridpd.hashing import HashAlgo
 
 #: what the copy reproduces (``describe()["copy_of"]``)
@@ -144,27 +146,16 @@ def _hash_seed(seed: str) -> Iterator[None]:
 
 def _vllm(tokens: list[int], unit: int, seed: str, algo: HashAlgo) -> Baseline | None:
     try:
-        import vllm
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils import hashing as vllm_hashing
-        from vllm.v1.core import kv_cache_utils
-        from vllm.v1.request import Request
+        release = adapter.version()
     except ImportError:
         return None
-    fn = {HashAlgo.SHA256_CBOR: vllm_hashing.sha256_cbor, HashAlgo.XXHASH_CBOR: vllm_hashing.xxhash_cbor}[algo]
     with _hash_seed(seed):  # vLLM's NONE_HASH = fn(PYTHONHASHSEED)
-        kv_cache_utils.init_none_hash(fn)
-    hasher = kv_cache_utils.get_request_block_hasher(unit, fn)
-    request = Request("bench-baseline", tokens, SamplingParams(max_tokens=1), None)
-
-    def chain() -> list[bytes]:
-        return [bytes(h) for h in hasher(request)]
-
+        chain = adapter.request_block_chain(tokens, unit, algo.value)
     function = "vllm.v1.core.kv_cache_utils.get_request_block_hasher(%d, vllm.utils.hashing.%s)(Request)" % (
         unit,
         algo.value,
     )
-    return Baseline("vllm", function, str(vllm.__version__), chain)
+    return Baseline("vllm", function, release, chain)
 
 
 def baseline(

@@ -227,14 +227,13 @@ def _pythonpath() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The proxy; or, with ``--vllm ARGS...`` first, vLLM's CLI (``vllm ARGS...``) in
-    this process (see :data:`NO_PROGRESS_THREAD_ENV`)."""
+    """The proxy; or, with ``--vllm ARGS...`` first, vLLM's CLI (``vllm ARGS...``,
+    ``adapter.run_cli``) in this process (see :data:`NO_PROGRESS_THREAD_ENV`)."""
     args_in = sys.argv[1:] if argv is None else argv
     if args_in[:1] == ["--vllm"]:
-        from vllm.entrypoints.cli.main import main as vllm_main
+        from hybridpd.engine.vllm.adapter import run_cli
 
-        sys.argv = ["vllm", *args_in[1:]]
-        vllm_main()
+        run_cli(args_in[1:])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--prefill", required=True, help="the prefill vllm serve's base URL")

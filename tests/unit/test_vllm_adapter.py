@@ -5,7 +5,8 @@ Read from the source (ast: code, not comments or docstrings), so no other file o
 imports included) or reaches into its engine (``engine_core``, the scheduler's
 ``kv_cache_manager`` and ``block_pool``, a connector's ``connector_scheduler`` and
 ``connector_worker``); and no file of ``engine/vllm/`` reads an attribute with a
-default unless a NOTE says why. Runs without vLLM installed."""
+default unless a NOTE says why. bench's vLLM baselines (its hashing chain, ``vllm serve``
+run in-process) go through the adapter too. Runs without vLLM installed."""
 
 from __future__ import annotations
 
@@ -22,25 +23,19 @@ PACKAGES = ("hybridpd", "services", "launch", "bench")
 ADAPTER = "hybridpd/engine/vllm/adapter.py"
 #: the attributes that reach into vLLM's engine (an attribute read, or a name getattr is given)
 INTERNALS = frozenset({"engine_core", "kv_cache_manager", "block_pool", "connector_scheduler", "connector_worker"})
-#: bench's baselines run vLLM itself, not hybridpd's vLLM engine: they import vLLM (and reach
-#: none of its internals); each entry says what for
-BASELINES = {
-    "bench/vllm_chain.py": "vLLM's own block-hash chain, the baseline hybridpd's chain is compared with",
-    "bench/vllm_pd.py": "vLLM's CLI (vllm serve), run in-process for the vllm-pd baseline",
-}
 
 
 def _is_vllm(module: str) -> bool:
     return module == "vllm" or module.startswith("vllm.")
 
 
-def violations(source: str, *, imports: bool = True) -> list[str]:
-    """What in ``source`` imports vLLM (``imports``) or reaches an engine internal, by line."""
+def violations(source: str) -> list[str]:
+    """What in ``source`` imports vLLM or reaches an engine internal, by line."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if imports and isinstance(node, ast.Import):
+        if isinstance(node, ast.Import):
             found += ["%d: import %s" % (node.lineno, a.name) for a in node.names if _is_vllm(a.name)]
-        elif imports and isinstance(node, ast.ImportFrom) and node.level == 0 and _is_vllm(node.module or ""):
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and _is_vllm(node.module or ""):
             found.append("%d: from %s import" % (node.lineno, node.module))
         elif isinstance(node, ast.Attribute) and node.attr in INTERNALS:
             found.append("%d: .%s" % (node.lineno, node.attr))
@@ -49,7 +44,7 @@ def violations(source: str, *, imports: bool = True) -> list[str]:
             strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             if name in ("getattr", "hasattr", "setattr", "require") and INTERNALS.intersection(strings):
                 found.append("%d: %s(..., %r)" % (node.lineno, name, sorted(INTERNALS.intersection(strings))[0]))
-            elif imports and name in ("import_module", "__import__") and any(_is_vllm(s) for s in strings[:1]):
+            elif name in ("import_module", "__import__") and any(_is_vllm(s) for s in strings[:1]):
                 found.append("%d: %s(%r)" % (node.lineno, name, strings[0]))
     return sorted(found, key=lambda v: int(v.split(":")[0]))
 
@@ -86,16 +81,10 @@ def test_only_the_adapter_reaches_vllm() -> None:
         rel = str(path.relative_to(ROOT))
         if rel == ADAPTER:
             continue
-        got = violations(path.read_text(), imports=rel not in BASELINES)
+        got = violations(path.read_text())
         if got:
             found[rel] = got
     assert not found, "vLLM reached outside %s: %s" % (ADAPTER, found)
-
-
-def test_the_baselines_still_import_vllm() -> None:
-    """An entry of BASELINES that no longer imports vLLM goes (the list stays the exceptions)."""
-    for rel in BASELINES:
-        assert violations((ROOT / rel).read_text()), "%s no longer imports vLLM: drop it from BASELINES" % rel
 
 
 def test_the_adapter_imports_without_vllm() -> None:

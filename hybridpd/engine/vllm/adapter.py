@@ -21,6 +21,7 @@ symbol ``patches.py`` rebinds or reads through here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -321,3 +322,39 @@ def store_put_configs(worker: Any) -> tuple[Any, ...]:
 def store_segment(worker: Any) -> str:
     """The store segment ``worker``'s store mounted: this process's."""
     return str(worker.store.get_hostname())
+
+
+# -- bench's baselines (vLLM itself, not this engine) ----------------------------------------
+def version() -> str:
+    """The installed vLLM's release (``vllm.__version__``); ImportError without vLLM."""
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def request_block_chain(tokens: Sequence[int], unit: int, algo: str) -> Callable[[], list[bytes]]:
+    """vLLM's own block-hash chain over ``tokens``: a call of
+    ``kv_cache_utils.get_request_block_hasher(unit, fn)`` (``fn`` is
+    ``vllm.utils.hashing.<algo>``: ``sha256_cbor`` or ``xxhash_cbor``) on a ``Request``
+    of them built once, without a hasher. vLLM's NONE_HASH is set first
+    (``init_none_hash(fn)``, from the ``PYTHONHASHSEED`` the caller sets). bench's
+    hashing baseline (``bench/vllm_chain.py``); ImportError without vLLM."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils import hashing
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    fn = {"sha256_cbor": hashing.sha256_cbor, "xxhash_cbor": hashing.xxhash_cbor}[algo]
+    kv_cache_utils.init_none_hash(fn)
+    hasher = kv_cache_utils.get_request_block_hasher(unit, fn)
+    request = Request("bench-baseline", list(tokens), SamplingParams(max_tokens=1), None)
+    return lambda: [bytes(h) for h in hasher(request)]
+
+
+def run_cli(argv: Sequence[str]) -> None:
+    """vLLM's command line (``vllm ARGV...``, e.g. ``serve``) in this process (``sys.argv``
+    rebound): bench's ``vllm-pd`` baseline (``bench/vllm_pd.py``)."""
+    from vllm.entrypoints.cli.main import main
+
+    sys.argv = ["vllm", *argv]
+    main()
