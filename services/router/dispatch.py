@@ -145,14 +145,14 @@ class Dispatcher:
         names = self.liveness.routable(sorted(self.prefill_actors))
         if force is not None and force not in self.prefill_actors:
             raise NotFoundError("no prefill instance %r" % force[:100])  # the instance names are not a client's
-        # NOTE: off the event loop: a 164K-token chain is ~0.8 ms of C (it holds the GIL while it
-        # reads the list's ints; an int32 buffer would let it run without). Hashed once here: the
-        # chain travels with the request (``EngineRequest.block_hashes``), nothing hashes it again
-        hashes = (
-            await asyncio.to_thread(self.hasher.chain, req.prompt_token_ids, cache_salt=req.cache_salt)
-            if self.cfg.enable_prefix_caching
-            else None
-        )
+        # NOTE: the request builder hashed the prompt in the tokenizer pool (``request_builder.build``),
+        # once for its n choices; the chain travels with the request (``EngineRequest.block_hashes``)
+        # and nothing hashes it again. A request built elsewhere is hashed here, off the event loop
+        # (a 164K-token chain is ~0.8 ms of C that holds the GIL)
+        hashes: list[BlockHash] | None = None
+        if self.cfg.enable_prefix_caching:
+            whole = len(req.block_hashes) >= len(req.prompt_token_ids) // self.hasher.unit
+            hashes = req.chain(self.hasher) if whole else await asyncio.to_thread(req.chain, self.hasher)
         if self.cfg.routing == "round_robin" and force is None:
             name = names[next(self._rr_prefill) % len(names)]
             return Route(RouteDecision(name, 0, 0, 0, "round_robin"), hashes)

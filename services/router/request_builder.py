@@ -246,7 +246,11 @@ def build(api: ApiRequest, orch: Orchestrator, served_model: str) -> Built:
     max_tokens = min(s.max_tokens if s.max_tokens is not None else default_max, left)
     sp = sampling_params(s, max_tokens, tok, profile.tokenizer_stop_ids)
     check_features(sp, profile)
-    req = EngineRequest(RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints))
+    # hashed here, once per prompt (its n choices share the chain): it travels with the request
+    chain = orch.dispatch.hasher.chain(tokens, cache_salt=salt) if cfg.enable_prefix_caching else []
+    req = EngineRequest(
+        RequestId(api.request_id), tuple(tokens), sp, salt, tuple(checkpoints), block_hashes=tuple(chain)
+    )
     return Built(req, plan, boundaries, _echo(api, tok) if api.echo else None)
 
 

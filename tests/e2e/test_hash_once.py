@@ -1,7 +1,8 @@
 """Each prompt is hashed once, end to end: the router's chain travels with the
 request (``EngineRequest.block_hashes``) through the prefill (its local hit,
 a store load, the publisher's reuse count), the handoff and decode (its pins,
-its sequence), and an answer checkpoint hashes only the answer's blocks.
+its sequence), the choices of an ``n`` > 1 request share their prompt's
+chain, and an answer checkpoint hashes only the answer's blocks.
 
 Every process counts the blocks it hashed (``hashing.hashed_blocks``): the
 router in ``hybridpd_hashed_blocks_total`` on /metrics, each actor in its
@@ -72,6 +73,9 @@ def test_each_prompt_is_hashed_once_end_to_end(stack: Stack) -> None:
     complete(ext, hybridpd_prefill_instance="prefill-1")  # a store load: probe, fetch, import
     nxt = first + answer + list(prompt(40, 903))
     complete(nxt)  # the next turn: decode pins the blocks it holds (a delta handoff)
+    pair = list(prompt(70, 904))
+    two = client.completions.create(model="tiny", prompt=pair, max_tokens=4, n=2, temperature=1.0, seed=5)
+    assert len(two.choices) == 2  # two engine requests, one prompt: hashed once
     chat = client.chat.completions.create(
         model="tiny",
         messages=[{"role": "user", "content": "count the blocks of this prompt once " * 8}],
@@ -83,7 +87,7 @@ def test_each_prompt_is_hashed_once_end_to_end(stack: Stack) -> None:
     chat_prompt, chat_answer = chat.usage.prompt_tokens, chat.usage.completion_tokens
     answer_blocks = (chat_prompt + chat_answer) // U - chat_prompt // U
 
-    prompts = [len(first), len(ext), len(ext), len(nxt), chat_prompt]
+    prompts = [len(first), len(ext), len(ext), len(nxt), len(pair), chat_prompt]
     want = dict(before)
     want["router"] += sum(n // U for n in prompts)
 
