@@ -90,9 +90,15 @@ def test_rekey_u32_b64_n104() -> None:
 
 @pytest.mark.parametrize("eagle", [False, True])
 def test_cross_check_long_prompts(eagle: bool) -> None:
-    """u=1024, B=4096, a=64: published == lookup boundary == allocation."""
+    """u=1024, B=4096, a=64: published == lookup boundary == allocation.
+
+    Prompts past one Mamba block, prefilled in chunks of B: B + 100, whose
+    checkpoint is its slot column's natural boundary and the first chunk's end
+    (at B), and exactly 2B, whose checkpoint sits inside the second Mamba block
+    and chunk (at 2B - u: the slot re-keyed). The same two cases one block
+    further (2B + 100 and 3B, chunks of 2B) cost 1.6x the tokens."""
     u = 1024
-    for n in (8192 + 100, 12288):
+    for n in (4096 + 100, 8192):
         eng = make_engine(
             prefix_match_unit=u,
             mamba_block_size=4096,
@@ -100,7 +106,7 @@ def test_cross_check_long_prompts(eagle: bool) -> None:
             eagle=eagle,
             export_checkpoints=True,
             num_kv_blocks=64,
-            max_num_batched_tokens=8192,
+            max_num_batched_tokens=4096,
             max_model_len=32768,
         )
         toks = prompt(n + 2 * u, n)
