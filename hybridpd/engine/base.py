@@ -36,7 +36,9 @@ after every step: ``pop_exports()`` (partial-prefix checkpoints to put in
 MooncakeStore; positions from ``hybridpd.checkpoints``) and
 ``pop_cache_events()`` (what the engine's local cache stored and removed,
 as chain hashes: the index mirrors it). ``import_checkpoint`` enters a
-store hit into the local cache before admission.
+store hit into the local cache before admission. The output that completes a
+prompt's prefill says which state checkpoints it left in the local cache
+(``RequestOutput.checkpoints``), as the engine recorded them while it ran.
 """
 
 from __future__ import annotations
@@ -97,6 +99,25 @@ class EngineRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class WrittenCheckpoints:
+    """The state checkpoints a request's prefill left in its engine's cache, as the
+    engine recorded them while it ran (native: the snapshot slots it wrote, still held
+    when the prompt completed; vLLM: its tail and the checkpoint prefixes it ran). The
+    router remembers them on the instance until the index reports them
+    (``RecentPrefills``)."""
+
+    #: the prompt's tail checkpoint (0: none)
+    tail: int = 0
+    #: the others (junctions, boundaries, client and placed positions), ascending, below the tail
+    extra: tuple[int, ...] = ()
+
+    @property
+    def positions(self) -> tuple[int, ...]:
+        """Every position, ascending."""
+        return self.extra + ((self.tail,) if self.tail else ())
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """New tokens of one request after a step (or a handoff)."""
 
@@ -108,6 +129,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     #: per new token (same order), when the request asked for ``logprobs``
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    #: on the output that completes the prompt's prefill: the checkpoints it wrote (none on others)
+    checkpoints: WrittenCheckpoints = WrittenCheckpoints()
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,20 +337,6 @@ class Engine(Protocol):
     ) -> int:
         """The hit an admission of this prompt would get now (no side effects;
         ``hashes`` as in ``import_checkpoint``)."""
-        ...
-
-    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
-        """Where this engine's prefill of ``request`` from a hit of ``num_cached``
-        tokens leaves its tail state checkpoint (0: none). The router remembers it
-        on the instance until the index reports it (``RecentPrefills``)."""
-        ...
-
-    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
-        """Where this engine's prefill of ``request`` from a hit of ``num_cached``
-        tokens leaves the extra checkpoints ``request.checkpoints`` asked for
-        (ascending; the tail not among them): the native scheduler's
-        ``checkpoints.requested_checkpoints``, vLLM's checkpoint prefixes
-        (``checkpoint_stages.staged_checkpoints``). The router remembers them like the tail."""
         ...
 
     def queued_prompt_tokens(self) -> int:

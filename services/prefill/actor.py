@@ -209,8 +209,8 @@ class PrefillWorker(WorkerBase):
             num_cached_tokens=out.num_cached_tokens,
             loaded_from_store=loaded,
             ticket=ticket,
-            tail_checkpoint=self.engine.tail_checkpoint(req, out.num_cached_tokens, True),
-            extra_checkpoints=self.engine.extra_checkpoints(req, out.num_cached_tokens, True),
+            tail_checkpoint=out.checkpoints.tail,
+            extra_checkpoints=out.checkpoints.extra,
             logprobs=out.logprobs,
         )
 

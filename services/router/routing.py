@@ -150,9 +150,10 @@ class RecentPrefills:
     """Checkpoints this router's finished prefills left on their instances,
     until the index reports them (or ``ttl_s`` passes): a best-effort hint.
 
-    A prefill of ``N`` tokens that started from a hit of ``start`` leaves
-    state at ``p = checkpoint_position(N)`` when the kernel can write it there
-    (``is_checkpoint_valid``), and KV for every full block. A later prompt
+    A prefill of ``N`` tokens leaves state at the positions ``p`` its engine
+    reports it wrote (``PrefillResult.tail_checkpoint``, ``extra_checkpoints``;
+    unreported, at ``checkpoint_position(N)`` when the kernel can write it
+    there from its hit, ``is_checkpoint_valid``), and KV for every full block. A later prompt
     sharing the chain up to block ``p/u`` (one block more under EAGLE, whose
     hit replays it) hits ``p`` there; the entry is keyed by that block's chain
     hash, which names the whole prefix. Thread-safe.
@@ -182,7 +183,7 @@ class RecentPrefills:
     ) -> int:
         """Remember what a prefill of ``num_tokens`` (``hashes`` its chain) that
         computed from ``start`` left on ``instance``: the tail checkpoint at
-        ``position`` as its engine reported it (``Engine.tail_checkpoint``: a vLLM
+        ``position`` as its engine reported it (``RequestOutput.checkpoints``: a vLLM
         P/D prefill computes N - 1 tokens, so its tail may lie a unit lower), or,
         unreported, where the native rule puts it. Returns the position (0: none)."""
         if position is None:

@@ -30,10 +30,11 @@ class PrefillResult:
     loaded_from_store: int
     #: opaque: only the decode engine of the same kind reads it
     ticket: HandoffTicket | None = None
-    #: where the engine left this prompt's tail state checkpoint (``Engine.tail_checkpoint``;
-    #: 0: none; None: not reported, the router predicts it by the native rule)
+    #: where the prefill left this prompt's tail state checkpoint, as its engine reported it
+    #: (``RequestOutput.checkpoints``; 0: none; None: not reported, the router predicts it
+    #: by the native rule)
     tail_checkpoint: int | None = None
-    #: where it left the extra checkpoints the request asked for (``Engine.extra_checkpoints``)
+    #: the other checkpoints it left (junctions, boundaries, client and placed positions), ascending
     extra_checkpoints: tuple[int, ...] = ()
     #: the prefill's own time on its actor, seconds (its queue included): the router's TTFT stages
     prefill_seconds: float = 0.0

@@ -229,7 +229,9 @@ class _Index:
     def __init__(self) -> None:
         self.drops: list[bool] = []
 
-    def lookup(self, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool) -> LookupResult:
+    def lookup(
+        self, hashes: Sequence[bytes], num_tokens: int, unit: int, eagle: bool, held_by: Sequence[str] = ()
+    ) -> LookupResult:
         self.drops.append(eagle)
         return LookupResult(0, {"p": 0}, 0)
 

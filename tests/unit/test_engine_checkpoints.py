@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hybridpd.checkpoints import checkpoint_position
-from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup
+from hybridpd.engine.base import CacheEvent, CacheEventKind, CacheGroup, WrittenCheckpoints
 from hybridpd.hashing import BlockHash
 from hybridpd.placement import placed_checkpoints
 from tests.unit.engine_helpers import (
@@ -170,15 +170,19 @@ def test_corrupt_checkpoint_rejected() -> None:
 
 
 def _run(eng, rid: str, toks, checkpoints=(), max_tokens: int = 6):  # type: ignore[no-untyped-def]
-    """Tokens, logits and num_cached_tokens of one request run alone to completion."""
+    """Tokens, logits, num_cached_tokens and the reported checkpoints (on the output
+    completing the prompt; every other output reports none) of one request run alone
+    to completion."""
     eng.add_request(dataclasses.replace(req(rid, toks, max_tokens), checkpoints=tuple(checkpoints)))
     tokens: list[int] = []
-    cached = []
+    cached, written = [], []
     while eng.has_work():
         for o in eng.step():
             tokens.extend(o.new_token_ids)
             cached.append(o.num_cached_tokens)
-    return tokens, list(eng.logit_log[rid]), cached[0]
+            written.append(o.checkpoints)
+    assert all(w == WrittenCheckpoints() for w in written[1:])
+    return tokens, list(eng.logit_log[rid]), cached[0], written[0]
 
 
 def _no_cache(toks, eagle: bool):  # type: ignore[no-untyped-def]
@@ -194,6 +198,18 @@ def _same(got, want) -> None:  # type: ignore[no-untyped-def]
 
 def _stored_states(events: list[CacheEvent]) -> set[BlockHash]:
     return {h for e in events if e.kind is CacheEventKind.STORED and e.group is CacheGroup.STATE for h in e.hashes}
+
+
+def _indexed_states(events: list[CacheEvent], chain: list[BlockHash], u: int) -> list[int]:
+    """The state positions of ``chain`` the index holds after mirroring ``events``
+    (stored, less what was removed since), ascending."""
+    held: set[BlockHash] = set()
+    for e in events:
+        if e.group is CacheGroup.STATE and e.kind is CacheEventKind.STORED:
+            held |= set(e.hashes)
+        elif e.group is CacheGroup.STATE and e.kind is CacheEventKind.REMOVED:
+            held -= set(e.hashes)
+    return sorted((i + 1) * u for i, h in enumerate(chain) if h in held)
 
 
 @pytest.mark.parametrize(
@@ -218,6 +234,7 @@ def test_extra_checkpoints_exact_and_hit(eagle: bool, budget: int, block: int | 
     assert {kv.meta.position for kv, _ in exported} == {288}  # every full prompt block, shared
     chain = eng.hasher.chain(list(base))
     assert _stored_states(eng.pop_cache_events()) == {chain[p // u - 1] for p in want}
+    assert got[3] == WrittenCheckpoints(288, want[:-1])  # what the engine reports it wrote
     # a request sharing only [0, 150) hits the checkpoint of junction 150, and stays exact
     branch = base[:150] + prompt(120, 22)
     got = _run(eng, "branch", branch)
@@ -343,6 +360,42 @@ def test_a_step_short_of_slots_keeps_its_deepest_snapshots() -> None:
     got = _run(eng, "branch", branch)
     assert got[2] == 256
     _same(got, _no_cache(branch, False))
+    assert_no_leaks(eng)
+
+
+def _prefill(eng, r, prefill_only: bool):  # type: ignore[no-untyped-def]
+    """Run ``r`` alone; the checkpoints its first output reports, the exported positions."""
+    eng.add_request(r, prefill_only)
+    outs = [o for _ in range(30) if eng.has_work() for o in eng.step()]
+    eng.take_handoff(r.request_id)
+    return outs[0].checkpoints, [st.meta.position for _, st in eng.pop_exports()]
+
+
+@pytest.mark.parametrize("prefill_only", [False, True], ids=["local", "prefill"])
+def test_the_reported_checkpoints_are_what_the_cache_holds(prefill_only: bool) -> None:
+    """Four state slots. One chunk snapshots eight placed positions and the tail, but
+    only the tail and the two deepest placed ones get a slot (the rest are only
+    exported); over 48-token chunks the five junction and tail snapshots of another
+    prompt outnumber the slots, so a later one evicts an earlier one. Each prefill
+    reports exactly what its cache holds at its end, the index's state entries for
+    that prompt: never a position the plan names whose slot it did not keep."""
+    u = 16
+    eng = make_engine(num_state_slots=4, export_checkpoints=True, placement_share=0.5)
+    base = prompt(300, 63)
+    placed = (32, 64, 96, 128, 160, 192, 224, 256)
+    reported, exported = _prefill(eng, dataclasses.replace(req("placed", base, 2), placement=placed), prefill_only)
+    assert {192, 224, 256, 288} <= set(exported)  # written (and exported), not all of them kept
+    assert reported == WrittenCheckpoints(288, (224, 256))
+    assert list(reported.positions) == _indexed_states(eng.pop_cache_events(), eng.hasher.chain(list(base)), u)
+    assert_no_leaks(eng)
+    # junctions 70, 100, 150, 250 and the tail: 64, 96, 144, 240, 288, over seven chunks
+    eng = make_engine(num_state_slots=4, export_checkpoints=True, max_num_batched_tokens=48)
+    other = prompt(300, 64)
+    r = dataclasses.replace(req("junctions", other, 2), checkpoints=(70, 100, 150, 250))
+    reported, exported = _prefill(eng, r, prefill_only)
+    assert exported == [64, 96, 144, 240, 288]
+    assert reported.tail == 288 and len(reported.positions) == 4  # one evicted within the prefill
+    assert list(reported.positions) == _indexed_states(eng.pop_cache_events(), eng.hasher.chain(list(other)), u)
     assert_no_leaks(eng)
 
 

@@ -1,5 +1,5 @@
 """The bookkeeping of vLLM's checkpoint prefixes (``engine/vllm/stages.py``):
-which request runs next, which hit a prompt reports, and aborts."""
+which request runs next, which hit and checkpoints a prompt reports, and aborts."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def test_prefixes_run_in_order_then_the_prompt() -> None:
     assert st.reported_hit("r", 144, finished=False) == 0
     assert st.reported_hit("r", 144, finished=True) == 0
     assert st.reported_hit("r", 144, finished=True) == 144  # forgotten once finished
+    assert st.pop_written("r") == (32, 144)  # the prefixes that ran, reported once
+    assert st.pop_written("r") == ()
 
 
 def test_a_cached_prefix_does_not_end_the_hit() -> None:
@@ -51,5 +53,6 @@ def test_no_plan_and_abort() -> None:
     first = st.start(PROMPT, PLAN)
     assert first is not None
     assert st.abort("r") == first.request_id  # the running prefix, to abort in vLLM
+    assert st.pop_written("r") == ()  # it left nothing it reports
     assert not st.is_prefix(first.request_id) and not st.waiting
     assert st.abort("r") is None

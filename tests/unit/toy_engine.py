@@ -31,6 +31,7 @@ from hybridpd.engine.base import (
     RequestOutput,
     SpecStats,
     StateCheckpoint,
+    WrittenCheckpoints,
 )
 from hybridpd.errors import IntegrityError, InvalidRequestError
 from hybridpd.hashing import BlockHash, BlockHasher
@@ -105,10 +106,12 @@ class ToyEngine:
             raise RuntimeError("toy step failed")
         outputs, self.pending = self.pending, []
         for rid, seq in list(self.seqs.items()):
+            written = WrittenCheckpoints()
             if not seq.prompt_done:
                 seq.cached = self.local_hit(seq.request.prompt_token_ids, seq.request.cache_salt)
                 self._store(seq.request)
                 seq.prompt_done = True
+                written = WrittenCheckpoints((len(seq.request.prompt_token_ids) - 1) // self.unit * self.unit)
             tok = next_token(seq.tokens)
             seq.tokens.append(tok)
             n_out = len(seq.tokens) - len(seq.request.prompt_token_ids)
@@ -119,7 +122,8 @@ class ToyEngine:
             if seq.prefill_only and reason is None:
                 self.tickets[rid] = ToyTicket(rid, 8 * len(seq.tokens), None, tuple(seq.tokens), sum(seq.tokens))
             n_prompt = len(seq.request.prompt_token_ids)
-            outputs.append(RequestOutput(seq.request.request_id, (tok,), done, reason, n_prompt, seq.cached))
+            rid_out = seq.request.request_id
+            outputs.append(RequestOutput(rid_out, (tok,), done, reason, n_prompt, seq.cached, None, written))
             if done:
                 del self.seqs[rid]
         return outputs
@@ -192,12 +196,6 @@ class ToyEngine:
                 break
             hit += self.unit
         return hit
-
-    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
-        return (len(request.prompt_token_ids) - 1) // self.unit * self.unit
-
-    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
-        return ()
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(s.request.prompt_token_ids) for s in self.seqs.values() if not s.prompt_done)

@@ -44,14 +44,18 @@ def test_router_chosen_junction_inside_a_vllm_block_is_hit(asked: bool) -> None:
     assert got["A"]["cached"] == 0  # the prefix A prefilled first is A's own work, not a hit
     pool = got["_stats"]  # what the cache holds: A's and B's pages, at least A's blocks of K
     assert pool.num_cached_blocks >= len(a) // 384 and pool.block_bytes > 0
+    tail = (len(a) - 1) // UNIT * UNIT  # 2288
+    assert got["A"]["later"] <= {()}  # only A's first output reports what its prefill wrote
     if asked:
         # the prefix was released once vLLM had run it to its last token: the prompt went on
         # in the next step (one step per checkpoint), and B still hits the state it left
         assert got["_prefixes"] == 1 and got["_released"] == 1
         assert got["B"]["cached"] == 992  # exactly the junction, at unit granularity inside a block
+        assert got["A"]["checkpoints"] == (992, tail)  # the prefix it ran, and vLLM's tail
     else:
         assert got["_prefixes"] == 0
         assert got["B"]["cached"] < 992
+        assert got["A"]["checkpoints"] == (tail,)
     assert_match_reference([("A", a), ("B", b)], 8, {rid: got[rid]["tokens"] for rid in ("A", "B")})
 
 
@@ -67,8 +71,11 @@ def test_checkpoints_on_a_pd_prefill_engine() -> None:
         for rid, toks, positions in (("A", a, (JUNCTION, 1400)), ("B", b, ()), ("C", c, ())):
             _, ticket, _, got[rid] = pd.run(rid, toks, 6, checkpoints=positions)
             cached[rid] = ticket.num_cached_tokens
-    print(cached)
+        written = dict(pd.written)
+    print(cached, written)
     assert cached == {"A": 0, "B": 992, "C": 1392}
+    # each prefill reports the prefixes it ran and its tail, (N - 2) // u * u of its N - 1 tokens
+    assert written == {"A": [(992, 1392, 2288)], "B": [(1584,)], "C": [(1696,)]}
     assert_match_reference([("A", a), ("B", b), ("C", c)], 6, got)
 
 

@@ -52,19 +52,22 @@ def req(rid: str, tokens: list[int], max_tokens: int, salt: str | None = None) -
 
 def local_worker(q_out, prompts: list[tuple[str, list[int]]], max_tokens: int, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     """Run prompts ``(rid, tokens[, checkpoints])`` one after another; report
-    tokens and cached tokens per prompt (and ``_prefixes``: checkpoint prefixes run,
-    ``_released``: those released before their sampled token)."""
+    tokens, cached tokens and the checkpoint positions the engine reported writing
+    per prompt (and ``_prefixes``: checkpoint prefixes run, ``_released``: those
+    released before their sampled token)."""
     eng = _engine("local", overrides)
     out = {}
     for rid, toks, *positions in prompts:
         eng.add_request(replace(req(rid, toks, max_tokens), checkpoints=tuple(positions[0]) if positions else ()))
         got: list[int] = []
         cached = 0
+        written: list[tuple[int, ...]] = []
         while eng.has_work():
             for o in eng.step():
                 got.extend(o.new_token_ids)
                 cached = max(cached, o.num_cached_tokens)
-        out[rid] = {"tokens": got, "cached": cached}
+                written.append(o.checkpoints.positions)
+        out[rid] = {"tokens": got, "cached": cached, "checkpoints": written[0], "later": set(written[1:])}
     out["_stats"] = eng.stats()
     out["_prefixes"] = eng.stages.prefixes_run
     out["_released"] = eng.stages.prefixes_released
@@ -106,7 +109,8 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any], send_
         ticket = eng.pop_handoff(rid)
         if rest and rest[0]:
             corrupt_handoff_block(eng, ticket.kv_transfer_params)
-        q_out.put((request, ticket, [t for o in outs for t in o.new_token_ids]))
+        written = [o.checkpoints.positions for o in outs]
+        q_out.put((request, ticket, [t for o in outs for t in o.new_token_ids], written))
     q_out.put("bye")
 
 
@@ -162,6 +166,8 @@ class PdPair:
             target=prefill_worker, args=(self.qp_in, self.qp_out, free_port(), overrides or {}, send_hold_s)
         )
         self.dec = ctx.Process(target=decode_worker, args=(self.qd_in, self.qd_out, free_port(), overrides or {}))
+        #: per request, the checkpoint positions each of its prefill outputs reported (the first: all)
+        self.written: dict[str, list[tuple[int, ...]]] = {}
 
     def __enter__(self) -> PdPair:
         self.pre.start()
@@ -182,7 +188,7 @@ class PdPair:
     ) -> tuple[Any, Any, list[int]]:
         """Only the prefill half of :meth:`run`: (the request, the ticket, its tokens)."""
         self.qp_in.put((rid, toks, max_tokens, corrupt, checkpoints))
-        request, ticket, prefill_tokens = self.qp_out.get(timeout=300)
+        request, ticket, prefill_tokens, self.written[rid] = self.qp_out.get(timeout=300)
         return request, ticket, prefill_tokens
 
     def decode(self, request: Any, ticket: Any) -> list[int]:

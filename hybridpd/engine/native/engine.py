@@ -16,7 +16,7 @@ slots, per-request state); ``PrefixCache`` (prefix_cache.py) the local cache's
 bookkeeping: both pools (``StateCache`` for the checkpoint slots), exports,
 imports and the cache events; ``HandoffTransport`` (handoff.py) the NIXL
 agents, ``HandoffPins`` (handoff_pins.py) the blocks a delta handoff keeps;
-``prefill_plan.py`` what a prefill will do, asked before it runs. ``role``
+``prefill_plan.py`` the hit a prefill would get, asked before it runs. ``role``
 ("local" | "prefill" | "decode") and ``instance`` only name things (the NIXL
 agents): every member works in every role.
 
@@ -55,6 +55,7 @@ from hybridpd.engine.base import (
     RequestOutput,
     SpecStats,
     StateCheckpoint,
+    WrittenCheckpoints,
 )
 from hybridpd.engine.native import prefill_plan
 from hybridpd.engine.native.handoff import FetchedHandoff, Handoff, HandoffTransport, NativeTicket
@@ -229,7 +230,7 @@ class NativeEngine:
     def _postprocess(self, sw: ScheduledWork, res: RowResult) -> RequestOutput | None:
         """Bookkeeping of one row: progress, tokens, stops, the prompt's cache entry,
         spec counters, finishing. None mid-prompt (nothing to say yet)."""
-        seq = sw.seq
+        seq, written = sw.seq, WrittenCheckpoints()  # only the output completing the prompt has any
         if sw.decode:
             if res.drafts:
                 self.spec.steps += 1
@@ -241,26 +242,28 @@ class NativeEngine:
             if not res.tokens:
                 return None
             self.cache.register_prompt(seq, res.exports)
+            written = self.cache.written(seq)
         seq.token_ids.extend(res.tokens)
         reason = stop_reason(seq.request.sampling, self.mcfg.eos_token_id, res.tokens[-1], seq.num_output)
         if not sw.decode and seq.prefill_only:
             if res.handoff is not None:
                 self._handoffs[seq.rid] = res.handoff
             self._finish(seq)
-            return self._output(seq, res, True, reason)
+            return self._output(seq, res, True, reason, written)
         if reason is not None:
             self._finish(seq)
         elif sw.decode:
             seq.num_computed += res.emitted  # the pending token and the accepted drafts
         else:
             seq.status = SeqStatus.DECODE
-        return self._output(seq, res, reason is not None, reason)
+        return self._output(seq, res, reason is not None, reason, written)
 
     @staticmethod
-    def _output(seq: Sequence, res: RowResult, finished: bool, reason: FinishReason | None) -> RequestOutput:
-        return RequestOutput(
-            seq.request.request_id, res.tokens, finished, reason, seq.num_prompt, seq.num_cached, res.logprobs
-        )
+    def _output(
+        seq: Sequence, res: RowResult, finished: bool, reason: FinishReason | None, written: WrittenCheckpoints
+    ) -> RequestOutput:
+        rid, n, cached = seq.request.request_id, seq.num_prompt, seq.num_cached
+        return RequestOutput(rid, res.tokens, finished, reason, n, cached, res.logprobs, written)
 
     # -- the local prefix cache (prefix_cache.py) -------------------------------------------
     def pop_exports(self) -> list[tuple[KVExport, StateCheckpoint]]:
@@ -359,14 +362,6 @@ class NativeEngine:
     def local_hit(self, token_ids: Seq[int], cache_salt: str | None = None, hashes: Seq[BlockHash] = ()) -> int:
         """The hit an admission of this prompt would get now (no side effects)."""
         return prefill_plan.probe_hit(self.scheduler, self.hasher, token_ids, cache_salt, hashes)
-
-    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
-        """The scheduler's tail from a hit of ``num_cached`` (``prefill_plan.tail_checkpoint``)."""
-        return prefill_plan.tail_checkpoint(self.scheduler.cfg, request, num_cached)
-
-    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
-        """The scheduler's extra positions from a hit of ``num_cached`` (``prefill_plan.extra_checkpoints``)."""
-        return prefill_plan.extra_checkpoints(self.scheduler.cfg, request, num_cached)
 
     def queued_prompt_tokens(self) -> int:
         """Prompt tokens of waiting requests not computed yet (load for routing)."""

@@ -33,7 +33,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
 from hybridpd.checkpoints import checkpoint_slot_column, extra_slot_column, natural_position
-from hybridpd.engine.base import CacheEvent, CacheGroup, KVExport, StateCheckpoint
+from hybridpd.engine.base import CacheEvent, CacheGroup, KVExport, StateCheckpoint, WrittenCheckpoints
 from hybridpd.engine.native import exports
 from hybridpd.engine.native.block_pool import BlockPool
 from hybridpd.engine.native.cache_events import CacheEventLog
@@ -118,8 +118,24 @@ class PrefixCache:
         return self.state_cache.store(key, pos, speculative=pos in seq.placed)  # placed: speculative until read
 
     def commit(self, scheduled: list[ScheduledWork]) -> None:
-        """After the runner wrote the step's snapshots: their slots are evictable."""
+        """After the runner wrote the step's snapshots: their slots are evictable, and
+        each sequence records the positions whose state the cache holds now (a slot
+        written, or the key held already; not one that found no slot: only exported)."""
+        for sw in scheduled:
+            seq = sw.seq
+            seq.stored.update(p for p in seq.snapshot_slots if self._holds(seq, p))
         self._release(scheduled, self.state_cache.written)
+
+    def _holds(self, seq: Sequence, pos: int) -> bool:
+        return self.state_pool.lookup(seq.block_hashes[pos // self.unit - 1]) is not None
+
+    def written(self, seq: Sequence) -> WrittenCheckpoints:
+        """The checkpoints ``seq``'s prefill stored that the cache still holds (a later
+        snapshot of the same prefill may have evicted an earlier one): what the index
+        hears of, reported on the output that completes the prompt."""
+        held = sorted(p for p in seq.stored if self._holds(seq, p))
+        tail = seq.tail_checkpoint if seq.tail_checkpoint in held else None
+        return WrittenCheckpoints(tail or 0, tuple(p for p in held if p != tail))
 
     def abandon(self, scheduled: list[ScheduledWork]) -> None:
         """The step failed: forget the slots ``plan`` keyed (none was written)."""

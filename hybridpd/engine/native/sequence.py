@@ -44,6 +44,8 @@ class Sequence:
     #: state slots reserved for this step's snapshots (``PrefixCache.plan``): position ->
     #: slot, or None where none was free (the snapshot is only exported)
     snapshot_slots: dict[int, int | None] = field(default_factory=dict)
+    #: positions whose state a finished step of this prefill left cached (``PrefixCache.commit``)
+    stored: set[int] = field(default_factory=set)
     #: scheduled at least once (its tensors exist in the runner)
     started: bool = False
 

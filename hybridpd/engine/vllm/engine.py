@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ from hybridpd.engine.base import (
     RequestId,
     RequestOutput,
     StateCheckpoint,
+    WrittenCheckpoints,
 )
 from hybridpd.engine.vllm import adapter
 from hybridpd.engine.vllm.args import Role
@@ -88,6 +89,9 @@ class _Live:
     request: EngineRequest
     prefill_only: bool
     handoff: VllmTicket | None = None
+    #: the tail vLLM keeps for the prompt as submitted (``StagePlan.tail_checkpoint``); None:
+    #: its checkpoints were reported (on its first output) or it has none (decode)
+    tail: int | None = None
 
 
 class VllmEngine(VllmCore):
@@ -154,7 +158,7 @@ class VllmEngine(VllmCore):
             self._register(request)
             # handed to vLLM by step() once no foreground request is live; what is cached now is its hit
             self.background.add(request, self.local_hit(request.prompt_token_ids, request.cache_salt))
-            self.live[request.request_id] = _Live(request, False)
+            self.live[request.request_id] = _Live(request, False, tail=self.plan.tail_checkpoint(request, False))
             return
         transfer = dict(TO_DECODE) if prefill_only else None
         max_tokens = 1 if prefill_only else request.sampling.max_tokens
@@ -178,7 +182,8 @@ class VllmEngine(VllmCore):
         except Exception:
             self.stages.abort(request.request_id)
             raise
-        self.live[request.request_id] = _Live(request, prefill_only)
+        tail_at = self.plan.tail_checkpoint(request, prefill_only)  # vLLM's, whatever the hit
+        self.live[request.request_id] = _Live(request, prefill_only, tail=tail_at)
         if tail is not None and tail.position > hit and len(self.background.queued) < TAIL_QUEUE_LIMIT:
             self.background.add(tail.request, 0)  # runs once no foreground request is live
         preempted = self.background.preempt()
@@ -308,6 +313,9 @@ class VllmEngine(VllmCore):
                 cached = live.handoff.num_cached_tokens
             sampled = not live.prefill_only and not background
             got, ticket = translate(out, live.request, live.prefill_only, sampled, cached)
+            if live.tail is not None:  # its first output: the prompt's prefill has run
+                got = replace(got, checkpoints=WrittenCheckpoints(live.tail, self.stages.pop_written(rid)))
+                live.tail = None
             if ticket is not None:
                 self.handoffs[rid] = ticket
                 self._handed_at = time.monotonic()
@@ -373,14 +381,6 @@ class VllmEngine(VllmCore):
 
     def inject_fault(self, kind: str) -> None:
         raise ValueError("unknown fault %r (the vLLM engine injects none)" % kind)
-
-    def tail_checkpoint(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> int:
-        """Where vLLM keeps the prompt's tail state, whatever the hit (``StagePlan.tail_checkpoint``)."""
-        return self.plan.tail_checkpoint(request, prefill_only)
-
-    def extra_checkpoints(self, request: EngineRequest, num_cached: int, prefill_only: bool) -> tuple[int, ...]:
-        """The positions of the checkpoint prefixes past the hit (``StagePlan.stages``)."""
-        return tuple(p for p, _ in self.plan.stages(request, prefill_only, num_cached))
 
     def queued_prompt_tokens(self) -> int:
         return sum(len(v.request.prompt_token_ids) for v in self.live.values() if v.prefill_only)

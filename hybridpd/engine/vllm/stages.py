@@ -28,7 +28,9 @@ logprobs would be wasted work (``sampling.py``).
 
 Usage reported for the prompt counts only what was cached before it arrived:
 a prefix that computed more than its one probe token ends the hit
-(``Staging.hit``), so work done for this request is never reported as cached.
+(``Staging.hit``), so work done for this request is never reported as cached;
+the positions of the prefixes that ran come with the prompt's first output
+(``Stages.written``: its ``RequestOutput.checkpoints``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class Staging:
     #: the prompt's hit as it arrived: the first prefix that computed past its probe
     #: tokens sets it (None: every prefix was cached, the prompt's own hit counts)
     hit: int | None = None
+    #: the checkpoint positions of the prefixes that ran to their end, ascending
+    ran: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -81,6 +85,8 @@ class Stages:
     owner: dict[str, str] = field(default_factory=dict)
     #: the hit to report for a submitted prompt whose prefixes computed (request id -> tokens)
     hits: dict[str, int] = field(default_factory=dict)
+    #: the checkpoints a submitted prompt's prefixes left (request id -> positions, ascending)
+    written: dict[str, tuple[int, ...]] = field(default_factory=dict)
     #: prefix requests started (a counter for stats and tests)
     prefixes_run: int = 0
     #: prefixes released before their sampled token (``VllmEngine._release_prefixes``)
@@ -120,12 +126,14 @@ class Stages:
             return None
         if staging.hit is None and cached < staging.current[1]:
             staging.hit = cached  # this prefix computed the prompt's own tokens: the hit ends here
+        staging.ran.append(staging.current[1])  # vLLM keyed its state when it ran its last token
         nxt = self._next(staging)
         if nxt is not None:
             return nxt
         del self.waiting[main]
         if staging.hit is not None:
             self.hits[main] = staging.hit
+        self.written[main] = tuple(staging.ran)
         return staging.request
 
     def reported_hit(self, request_id: str, hit: int, finished: bool) -> int:
@@ -134,11 +142,16 @@ class Stages:
         got = self.hits.pop(request_id, hit) if finished else self.hits.get(request_id, hit)
         return min(got, hit)
 
+    def pop_written(self, request_id: str) -> tuple[int, ...]:
+        """The checkpoint positions ``request_id``'s prefixes left (once: its first output)."""
+        return self.written.pop(request_id, ())
+
     def abort(self, request_id: str) -> str | None:
         """Forget ``request_id``'s prefixes; returns the prefix request vLLM is
         running for it (to abort there), if any."""
         staging = self.waiting.pop(request_id, None)
         self.hits.pop(request_id, None)
+        self.written.pop(request_id, None)
         if staging is None or staging.current is None:
             return None
         self.owner.pop(staging.current[0], None)
