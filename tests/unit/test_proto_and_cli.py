@@ -78,3 +78,27 @@ def test_bench_workload_overrides_are_checked() -> None:
     assert res.exit_code == 2 and "expected FIELD=INT" in res.output
     res = CliRunner().invoke(cli, ["bench", "growing-streams", "--workload", "start=x"])
     assert res.exit_code == 2
+
+
+def test_up_refuses_a_taken_port_before_starting_anything(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A port another process listens on ends `hybridpd up` before Redis, the store or
+    Ray start (e2e: test_startup_failure.py), naming the port and its flag; a free
+    port is no error."""
+    import socket
+
+    from hybridpd.procs import bind_error, free_port
+    from launch.stack import LocalStack
+
+    def started(self: LocalStack) -> None:
+        raise AssertionError("the stack started")
+
+    monkeypatch.setattr(LocalStack, "start", started)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        assert bind_error("127.0.0.1", held) is not None and bind_error("127.0.0.1", free_port()) is None
+        ports = ["--http-port", str(free_port()), "--grpc-port", str(held)]
+        res = CliRunner().invoke(cli, ["up", "--workdir", str(tmp_path), *ports])
+    assert res.exit_code == 1, res.output
+    assert "cannot listen on 127.0.0.1:%d (--grpc-port): address already in use" % held in res.output.lower()
