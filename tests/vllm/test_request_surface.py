@@ -9,15 +9,14 @@ reference ``vllm serve`` runs with ``--logprobs-mode processed_logprobs``, so
 the margins the near-tie rule reads are those of the logits its sampler chose
 from (after penalties, bias, bad words and the grammar's mask). A shared prefix
 is sent twice, so cached prefixes are compared too. At least 0.9 of the cases
-must be answered alike; every 200 we give must be."""
+must be answered alike; every 200 we give must be. Our stack is the session's
+(``vllm_stack``, tests/vllm/conftest.py), which test_serving.py shares."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -29,13 +28,10 @@ import httpx
 from bench.vllm_direct import VllmServer
 from tests.e2e.conftest import Stack
 from tests.greedy import BF16_TOL, GreedyReference, assert_greedy_matches
-from tests.vllm.test_vllm_pd import vllm_serve_venv
 
 pytestmark = pytest.mark.timeout(1800)
 
 UNIT, MAX_MODEL_LEN, N = 16, 4096, 8
-ARGS = ["--engine", "vllm", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN)]
-ARGS += ["--max-num-batched-tokens", str(MAX_MODEL_LEN)]
 TEXT = "The configuration of the build system is read from"
 #: token prompts are real text's tokens (random ids can end inside a character, where vLLM 0.32's
 #: detokenizer primed with the prompt returns the prompt's text with the answer's)
@@ -233,25 +229,19 @@ def _alike(ref: dict[str, Any], got: dict[str, Any], margins: list[list[float]],
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Every case against ``vllm serve`` (with the margins), then against our stack."""
-    venv = vllm_serve_venv()
-    tmp = Path(tmp_path_factory.mktemp("surface"))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-        mp.setenv("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
-        with VllmServer(venv, tmp, UNIT, MAX_MODEL_LEN, extra_argv=["--logprobs-mode", "processed_logprobs"]) as d:
-            plain = _send(d.http, "/v1/completions", _cmpl())["choices"][0]
-            word = next(iter(re.findall(r"[A-Za-z]{3,}", plain["text"])), "the")
-            todo = cases(plain["ids"], word)
-            ref = {name: _send(d.http, path, body) for name, path, body in todo}
-            margins = {name: _margins(d.http, path, body) for name, path, body in todo}
-    s = Stack(tmp / "stack", ARGS, start_timeout_s=600)
-    s.start()
-    try:
-        got = {name: _send(s.http, path, body) for name, path, body in todo}
-    finally:
-        s.stop()
+def runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """Every case against ``vllm serve`` (the session's, ``vllm_serve``: with the
+    margins), then against our stack (the session's, ``vllm_stack``)."""
+    d: VllmServer = request.getfixturevalue("vllm_serve")
+    assert "processed_logprobs" in d.argv and d.argv[d.argv.index("--max-model-len") + 1] == str(MAX_MODEL_LEN)
+    plain = _send(d.http, "/v1/completions", _cmpl())["choices"][0]
+    word = next(iter(re.findall(r"[A-Za-z]{3,}", plain["text"])), "the")
+    todo = cases(plain["ids"], word)
+    ref = {name: _send(d.http, path, body) for name, path, body in todo}
+    margins = {name: _margins(d.http, path, body) for name, path, body in todo}
+    s: Stack = request.getfixturevalue("vllm_stack")
+    assert s.extra_args[s.extra_args.index("--max-model-len") + 1] == str(MAX_MODEL_LEN)  # as vllm serve's
+    got = {name: _send(s.http, path, body) for name, path, body in todo}
     yield {"cases": todo, "ref": ref, "got": got, "margins": margins}
 
 

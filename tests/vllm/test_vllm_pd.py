@@ -31,7 +31,7 @@ from bench.vllm_pd_proxy import PREFILL_CACHED_HEADER
 from tests.greedy import BF16_TOL, GreedyReference, assert_greedy_matches
 from tests.vllm.workers import tokens
 
-#: three vllm serve starts (the reference, then prefill and decode) on a shared 2-core machine
+#: two vllm serve starts (prefill and decode; the reference is the session's) on a shared 2-core machine
 pytestmark = pytest.mark.timeout(1800)
 
 UNIT, MAX_MODEL_LEN, MAX_TOKENS = 16, 4096, 8
@@ -123,17 +123,20 @@ def _send(url: str, prompt: list[int] | None, stream: bool, logprobs: bool) -> d
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[str, dict[str, Any]]]]:
-    """Every request against plain ``vllm serve`` (non-streaming, with logprobs: the
+def runs(
+    tmp_path_factory: pytest.TempPathFactory, vllm_serve: VllmServer
+) -> Iterator[dict[str, dict[str, dict[str, Any]]]]:
+    """Every request against plain ``vllm serve`` (the session's, its prefix cache
+    empty: ``vllm_serve``, tests/vllm/conftest.py; non-streaming, with logprobs: the
     reference), then against vllm-pd (as REQUESTS says)."""
     venv = vllm_serve_venv()
     tmp = Path(tmp_path_factory.mktemp("vllm-pd"))
+    assert vllm_serve.argv[vllm_serve.argv.index("--max-model-len") + 1] == str(MAX_MODEL_LEN)
+    ref = {name: _send(vllm_serve.http, p, False, logprobs=True) for name, p, _ in REQUESTS}
+    ref_tok = _tokenize(vllm_serve.http)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         mp.setenv("VLLM_CACHE_ROOT", str(tmp / "vllm-cache"))
-        with VllmServer(venv, tmp, UNIT, MAX_MODEL_LEN) as direct:
-            ref = {name: _send(direct.http, p, False, logprobs=True) for name, p, _ in REQUESTS}
-            ref_tok = _tokenize(direct.http)
         with VllmPd(venv, tmp, UNIT, MAX_MODEL_LEN) as pd:
             got = {name: _send(pd.http, p, stream, logprobs=False) for name, p, stream in REQUESTS}
             models = httpx.get(pd.http + "/v1/models", timeout=30).json()

@@ -288,20 +288,22 @@ def run_local(prompts: list[tuple[Any, ...]], max_tokens: int, **overrides: Any)
     return run_spawned(local_worker, prompts, max_tokens, overrides)
 
 
-def reference_worker(
-    q_out, prompts, max_tokens: int, candidates: dict[str, list[int]], overrides: dict[str, Any]
-) -> None:  # type: ignore[no-untyped-def]
+def reference_worker(q_in, q_out, overrides: dict[str, Any]) -> None:  # type: ignore[no-untyped-def]
     """The reference of the tolerance-aware comparison (``tests/greedy.py``): a
-    local engine with the tests' settings, prefix caching off, runs each prompt
-    greedily with its top-2 logprobs (-> margins), then ``prompt + candidate``
-    with prompt logprobs (teacher forcing -> each candidate token's deficit)."""
+    local engine with the tests' settings, prefix caching off, kept for the session
+    (:class:`Reference`). Per message ``(prompts, max_tokens, candidates)`` it runs
+    each prompt greedily with its top-2 logprobs (-> margins), then ``prompt +
+    candidate`` with prompt logprobs (teacher forcing -> each candidate token's
+    deficit). Without a prefix cache, and one request at a time, an answer does not
+    depend on what the engine ran before: a fresh engine's answer."""
     from vllm.sampling_params import SamplingParams
 
     eng = _engine("local", {**overrides, "enable_prefix_caching": False})
     core = eng.engine
+    calls = 0
 
     def run(rid: str, toks: list[int], sp: Any) -> Any:
-        core.add_request(rid, {"prompt_token_ids": list(toks)}, sp)
+        core.add_request("ref%d-%s" % (calls, rid), {"prompt_token_ids": list(toks)}, sp)
         final = None
         while core.has_unfinished_requests():
             for o in core.step():
@@ -312,44 +314,87 @@ def reference_worker(
     def ranked(entry: Any) -> list[float]:
         return sorted((lp.logprob for lp in entry.values()), reverse=True)
 
-    out: dict[str, Any] = {}
-    for rid, toks in prompts:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, ignore_eos=True, detokenize=False)
-        comp = run(rid, toks, sp).outputs[0]
-        margins = []
-        for entry in comp.logprobs:
-            top = ranked(entry)
-            margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
-        deficits = None
-        cand = candidates.get(rid)
-        if cand is not None:
-            sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, detokenize=False)
-            pl = run(rid + "-forced", list(toks) + list(cand), sp).prompt_logprobs
-            deficits = []
-            for j, t in enumerate(cand):
-                entry = pl[len(toks) + j]
-                deficits.append(ranked(entry)[0] - entry[t].logprob)
-        out[rid] = {"tokens": list(comp.token_ids), "margins": margins, "deficits": deficits}
-    q_out.put(out)
+    while (msg := q_in.get()) != "exit":
+        prompts, max_tokens, candidates = msg
+        calls += 1
+        out: dict[str, Any] = {}
+        for rid, toks in prompts:
+            sp = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, ignore_eos=True, detokenize=False)
+            comp = run(rid, toks, sp).outputs[0]
+            margins = []
+            for entry in comp.logprobs:
+                top = ranked(entry)
+                margins.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+            deficits = None
+            cand = candidates.get(rid)
+            if cand is not None:
+                sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, detokenize=False)
+                pl = run(rid + "-forced", list(toks) + list(cand), sp).prompt_logprobs
+                deficits = []
+                for j, t in enumerate(cand):
+                    entry = pl[len(toks) + j]
+                    deficits.append(ranked(entry)[0] - entry[t].logprob)
+            out[rid] = {"tokens": list(comp.token_ids), "margins": margins, "deficits": deficits}
+        q_out.put(out)
+    eng.close()
+
+
+class Reference:
+    """:func:`reference_worker` in a spawned process, started on first use and kept
+    until :func:`close_references` (``tests/vllm/conftest.py``, at the session's end):
+    one engine start for every comparison of the session, not one per comparison."""
+
+    def __init__(self, overrides: dict[str, Any]) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.q_in, self.q_out = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=reference_worker, args=(self.q_in, self.q_out, overrides))
+        self.proc.start()
+
+    def ask(self, prompts: list[tuple[str, list[int]]], max_tokens: int, candidates: dict[str, list[int]]) -> Any:
+        import queue
+
+        self.q_in.put((prompts, max_tokens, candidates))
+        deadline = time.monotonic() + 600
+        while True:  # the answer, or the worker's death named (not a wait to the deadline)
+            try:
+                return self.q_out.get(timeout=2)
+            except queue.Empty:
+                assert self.proc.is_alive(), "the reference engine exited (%s)" % self.proc.exitcode
+                assert time.monotonic() < deadline, "the reference engine did not answer in 600 s"
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.q_in.put("exit")
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(10)
+
+
+#: the session's reference engines, by their overrides (:class:`Reference`)
+_REFERENCES: dict[tuple[tuple[str, Any], ...], Reference] = {}
+
+
+def close_references() -> None:
+    """Stop the reference engines this session started."""
+    while _REFERENCES:
+        _REFERENCES.popitem()[1].close()
 
 
 def run_reference(
     prompts: list[tuple[str, list[int]]], max_tokens: int, candidates: dict[str, list[int]], **overrides: Any
 ) -> dict[str, Any]:
-    """``reference_worker`` in a fresh spawned process: per prompt, a
-    ``GreedyReference`` and the candidate's teacher-forced deficits."""
-    import multiprocessing as mp
-
+    """The session's :class:`Reference` for ``overrides`` (started on first use):
+    per prompt, a ``GreedyReference`` and the candidate's teacher-forced deficits."""
     from tests.greedy import GreedyReference
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=reference_worker, args=(q, prompts, max_tokens, candidates, overrides))
-    p.start()
-    try:
-        raw = q.get(timeout=600)
-    finally:
-        p.join(60)
+    key = tuple(sorted(overrides.items()))
+    ref = _REFERENCES.get(key)
+    if ref is None or not ref.proc.is_alive():
+        ref = _REFERENCES[key] = Reference(overrides)
+    raw = ref.ask(prompts, max_tokens, candidates)
     return {rid: (GreedyReference(r["tokens"], r["margins"]), r["deficits"]) for rid, r in raw.items()}
 
 
