@@ -156,7 +156,9 @@ class VllmServer:
             **self.env,
         }
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=env, preexec_fn=default_sigint
+            )
 
     def exited(self) -> int | None:
         """The exit status if the server has exited (None while it runs or before start)."""
@@ -190,8 +192,17 @@ class VllmServer:
         self.stop()
 
 
+def default_sigint() -> None:
+    """A child's SIGINT back to its default (``Popen(preexec_fn=...)``): a shell's
+    background job starts with SIGINT ignored and its children inherit that, so
+    :func:`interrupt` would wait out its timeout on a process started from one (a
+    CI runner's, say) before Python's own handler is installed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    """Stop ``proc`` as Ctrl-C would (SIGINT), killing it after ``timeout_s``."""
+    """Stop ``proc`` as Ctrl-C would (SIGINT), killing it after ``timeout_s``
+    (start it with ``preexec_fn=default_sigint``)."""
     if proc is None or proc.poll() is not None:
         return
     proc.send_signal(signal.SIGINT)

@@ -53,7 +53,7 @@ from typing import Any
 
 import httpx
 
-from bench.vllm_direct import KV_CACHE_GIB, VllmServer, interrupt, log_tail, tiny_model
+from bench.vllm_direct import KV_CACHE_GIB, VllmServer, default_sigint, interrupt, log_tail, tiny_model
 from bench.vllm_pd_proxy import make_app
 from hybridpd.errors import UnavailableError
 from hybridpd.procs import free_port, listen_ports, split_cpus
@@ -193,7 +193,14 @@ class VllmPd:
             self.decode.start()
             env = {**os.environ, "PYTHONPATH": _pythonpath()}
             with open(self.proxy_log, "w") as out:
-                self.proxy = subprocess.Popen(self.proxy_argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=_REPO)
+                self.proxy = subprocess.Popen(
+                    self.proxy_argv,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=_REPO,
+                    preexec_fn=default_sigint,
+                )
         except OSError as exc:
             self.stop()
             raise UnavailableError("vllm-pd did not start: %r" % exc) from exc
