@@ -232,6 +232,7 @@ def test_pop_handoff_runs_concurrently_with_step(pair: tuple[NativeEngine, Nativ
                     t = prefill.pop_handoff(rid)
                     if t is not None:
                         tickets[rid] = t
+            time.sleep(0.001)  # NOTE: a bare spin holds the GIL the stepping thread needs
 
     th = threading.Thread(target=popper)
     th.start()
