@@ -289,6 +289,14 @@ class Engine(Protocol):
         """Whether ``step()`` has anything to do (the loop sleeps otherwise)."""
         ...
 
+    def idle_poll_s(self) -> float:
+        """How long the loop may wait before the next ``step()`` while there is work:
+        0 when there is something to compute; the polling interval when only
+        bookkeeping is left (vLLM: its connector's acknowledgements). The loop waits
+        it out outside its lock, woken early by a submit or an abort; ``step()``
+        called directly sleeps what is left of it itself, so no caller spins."""
+        ...
+
     def pop_handoff(self, request_id: str) -> HandoffTicket | None:
         """The ticket of a finished ``prefill_only`` request (None if it has none:
         it finished at its first token). Called without the engine lock."""

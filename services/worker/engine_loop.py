@@ -127,6 +127,13 @@ class EngineLoop:
         while not self._stop.is_set():
             with self.lock:
                 busy = self.engine.has_work()
+                pause = self.engine.idle_poll_s() if busy else 0.0
+            if pause > 0 and self._wake.wait(pause):
+                # NOTE: only bookkeeping was left (vLLM's connector): waited out here, not under the
+                # lock inside step(), so a submit or an abort is not held up. One of them (or close)
+                # ended the wait early: look again before stepping
+                self._wake.clear()
+                continue
             if not busy:
                 # NOTE: submit() and abort() set _wake, and has_work() is checked again after the
                 # clear: no wake-up is lost, so an idle loop sleeps (1 s is only a safety net)

@@ -26,7 +26,7 @@ def _engine_classes() -> list[Any]:
 def test_the_protocol_is_what_the_workers_call() -> None:
     # guards the introspection below against passing vacuously
     assert {"add_request", "step", "pop_handoff", "fetch_handoff", "add_handoff", "pop_cache_events"} <= set(METHODS)
-    assert len(METHODS) == 17
+    assert len(METHODS) == 18
     assert ATTRIBUTES == ["compute_model", "hasher", "imports_checkpoints", "model_id", "spec", "unit"]
 
 

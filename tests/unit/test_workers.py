@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridpd.config import HybridPDConfig, load_config
-from hybridpd.engine.base import Engine, EngineRequest, FinishReason, RequestId, SamplingParams
+from hybridpd.engine.base import Engine, EngineRequest, FinishReason, RequestId, RequestOutput, SamplingParams
 from hybridpd.errors import IntegrityError, InvalidRequestError, UnavailableError
 from services.decode.actor import DecodeWorker
 from services.prefill.actor import PrefillWorker
@@ -72,6 +72,48 @@ def test_engine_loop_delivers_outputs_in_order_and_sleeps_when_idle() -> None:
         steps = eng.steps
         time.sleep(0.5)
         assert eng.steps == steps  # idle: no step, no spin
+    finally:
+        loop.close()
+
+
+class _Bookkeeping(ToyEngine):
+    """Has work but, after its first step, nothing to compute (vLLM waiting on its
+    connector): polls every 5 s."""
+
+    def has_work(self) -> bool:
+        return True
+
+    stepped_at = 0.0
+
+    def idle_poll_s(self) -> float:
+        return 0.0 if self.seqs or self.pending or not self.steps else 5.0
+
+    def step(self) -> list[RequestOutput]:
+        rest = self.idle_poll_s() - (time.monotonic() - self.stepped_at)  # as vLLM's engine: never spin
+        if rest > 0:
+            time.sleep(rest)
+        try:
+            return super().step()
+        finally:
+            self.stepped_at = time.monotonic()
+
+
+def test_engine_loop_waits_out_a_poll_outside_its_lock_and_a_submit_ends_it() -> None:
+    eng = _Bookkeeping()
+    loop = EngineLoop(eng)
+    try:
+        deadline = time.monotonic() + 10
+        while eng.steps == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert eng.steps >= 1  # it stepped once, and now waits out its 5 s poll
+        assert loop.lock.acquire(timeout=2.0)  # not held while it waits
+        loop.lock.release()
+        req = _req("a")
+        t0 = time.monotonic()
+        q = loop.submit(req.request_id, lambda: eng.add_request(req))
+        out = q.get(timeout=10)
+        assert not isinstance(out, BaseException) and out.new_token_ids
+        assert time.monotonic() - t0 < 5.0  # the submit ended the wait (else the first output waits 5 s)
     finally:
         loop.close()
 

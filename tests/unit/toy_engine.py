@@ -99,6 +99,9 @@ class ToyEngine:
     def has_work(self) -> bool:
         return bool(self.seqs or self.pending)
 
+    def idle_poll_s(self) -> float:
+        return 0.0
+
     def step(self) -> list[RequestOutput]:
         self.steps += 1
         if self.fail_next_step:

@@ -202,6 +202,9 @@ class NativeEngine:
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self.scheduler.background or self.pending)
 
+    def idle_poll_s(self) -> float:
+        return 0.0  # its work is all compute
+
     def _finish(self, seq: Sequence) -> None:
         self.scheduler.finish(seq)
         self.seqs.pop(seq.rid, None)

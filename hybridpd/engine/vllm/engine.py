@@ -126,6 +126,8 @@ class VllmEngine(VllmCore):
         self.handoffs: dict[str, VllmTicket] = {}
         #: when the newest P/D prefill finished here (its KV handed to decode: ``SEND_HOLD_S``)
         self._handed_at = -SEND_HOLD_S
+        #: when the last step ended (``idle_poll_s`` counts from it)
+        self._stepped_at = 0.0
         self.pending: list[RequestOutput] = []
         #: where checkpoint prefixes and tail stages go (this engine's facts, read by ``VllmCore``)
         self.plan = StagePlan(cfg, role, self.prefill_backoff, self.drop_eagle_block, self.partial_hits)
@@ -286,11 +288,19 @@ class VllmEngine(VllmCore):
         return adapter.has_requests(self.core)
 
     # -- stepping ----------------------------------------------------------------------
+    def idle_poll_s(self) -> float:
+        """0 while a request is live or an output waits; else the connector's polling interval."""
+        if self.live or self.pending:
+            return 0.0
+        return SEND_POLL_S if time.monotonic() - self._handed_at < SEND_HOLD_S else IDLE_POLL_S
+
     def step(self) -> list[RequestOutput]:
+        # only connector bookkeeping left: poll it, do not spin; what passed since the last step
+        # (the EngineLoop's wait outside its lock) counts
+        rest = self.idle_poll_s() - (time.monotonic() - self._stepped_at)
+        if rest > 0:
+            time.sleep(rest)
         outputs, self.pending = self.pending, []
-        if not self.live and not outputs:
-            # only connector bookkeeping left: poll it, do not spin
-            time.sleep(SEND_POLL_S if time.monotonic() - self._handed_at < SEND_HOLD_S else IDLE_POLL_S)
         self._admit_background()
         for out in self.engine.step():
             if self.stages.is_prefix(out.request_id):  # a checkpoint prefix: never reported
@@ -323,6 +333,7 @@ class VllmEngine(VllmCore):
             if out.finished:
                 del self.live[rid]
         self._release_prefixes()
+        self._stepped_at = time.monotonic()
         return outputs
 
     def _release_prefixes(self) -> None:
