@@ -77,7 +77,7 @@ class AnswerCheckpoints:
         """Queue ``req`` (a background request; False, counted as skipped, for any
         other). Either engine runs it at low priority: the native scheduler on the
         budget others leave, vLLM only while no foreground request is live
-        (``engine/vllm/background.py``)."""
+        (``engine/vllm/sequencer.py``)."""
         if not req.background:
             with self.counters_lock:
                 self.counters.answer_checkpoints_skipped += 1

@@ -80,3 +80,34 @@ def test_store_puts_to_own_segment_finds_the_store_workers_fields() -> None:
     assert "self.replicate_config = replicate_config" in inspect.getsource(worker.KVCacheStoreSendingThread)
     lookup = inspect.getsource(scheduler.MooncakeStoreScheduler.__init__)
     assert "self.client = " in lookup and "self.enable_lookup = " in lookup
+
+
+def test_the_scheduler_subclass_finds_what_it_overrides_and_reads() -> None:
+    """``adapter.scheduler_class`` overrides and calls ``SCHEDULER_METHODS`` of vLLM's
+    ``Scheduler`` and reads its ``SCHEDULER_FIELDS``; the sequencer reads a
+    ``Request``'s counts and ``prefill_stats``. ``_preempt_request`` puts the request
+    back at the head of ``waiting`` (the subclass takes it out of there); a missing
+    method stops start-up with a message naming it."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request
+
+    from hybridpd.engine.vllm import adapter
+    from hybridpd.engine.vllm.sequencer import Ledger
+    from hybridpd.errors import StartupError
+
+    for name in adapter.SCHEDULER_METHODS:
+        assert callable(getattr(Scheduler, name)), name
+    init = inspect.getsource(Scheduler.__init__)
+    for name in adapter.SCHEDULER_FIELDS:
+        assert "self.%s = " % name in init or "self.%s: " % name in init, name
+    assert "self.waiting.prepend_request(request)" in inspect.getsource(Scheduler._preempt_request)
+    assert list(inspect.signature(Scheduler._preempt_request).parameters)[:3] == ["self", "request", "timestamp"]
+    req = Request("r", [1, 2, 3], SamplingParams(max_tokens=1, extra_args={"hybridpd": {}}), None)
+    for name in ("num_computed_tokens", "num_in_flight_tokens", "num_prompt_tokens", "prefill_stats"):
+        assert hasattr(req, name), name
+    assert req.sampling_params.extra_args == {"hybridpd": {}} and callable(req.is_finished)
+    assert issubclass(adapter.scheduler_class(Ledger()), AsyncScheduler)  # the engine schedules async
+    with pytest.raises(StartupError, match=r"Scheduler\._gone"):
+        adapter.require(Scheduler, "_gone", "Scheduler")

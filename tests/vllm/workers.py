@@ -80,9 +80,9 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any], send_
     (:func:`corrupt_handoff_block`): the fault the comparison must catch.
     ``send_hold_s``: the engine's ``SEND_HOLD_S`` in this process."""
     if send_hold_s is not None:
-        from hybridpd.engine.vllm import engine as vllm_engine
+        from hybridpd.engine.vllm import sequencer as vllm_sequencer
 
-        vllm_engine.SEND_HOLD_S = send_hold_s
+        vllm_sequencer.SEND_HOLD_S = send_hold_s
     eng = _engine("prefill", overrides, side_port)
     q_out.put("ready")
     while True:
@@ -93,10 +93,10 @@ def prefill_worker(q_in, q_out, side_port: int, overrides: dict[str, Any], send_
             deadline = time.monotonic() + 300
             while eng.has_work() and time.monotonic() < deadline:
                 eng.step()
-            q_out.put(("settled", eng.has_work(), eng.background.tries))
+            q_out.put(("settled", eng.has_work(), eng.ledger.background_runs))
             continue
-        if msg == "tries":  # background tries run so far, and those still queued
-            q_out.put(("tries", eng.background.tries, len(eng.background.queued)))
+        if msg == "tries":  # background requests handed to vLLM's queues so far, and those not yet done
+            q_out.put(("tries", eng.ledger.background_runs, len(eng.background)))
             continue
         rid, toks, max_tokens, *rest = msg  # rest: [corrupt[, checkpoints]]
         request = req(rid, toks, max_tokens)

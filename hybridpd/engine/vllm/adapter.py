@@ -1,31 +1,31 @@
-"""vLLM, reached from this file only: the release check, and every vLLM symbol and
-engine internal the vLLM engine builds, reads or patches.
+"""vLLM, reached from this file only: the release check, our scheduler subclass
+(vLLM's ``scheduler_cls`` extension point: :func:`scheduler_class`), and every vLLM
+symbol and engine internal the vLLM engine builds, reads or patches.
 
-The vLLM engine reaches past vLLM's supported extension points into its in-process
-``EngineCore`` (the scheduler's hit rules, its KV-cache manager and block pool, its
-connectors). A vLLM release may rename any of them; read fail-open, a rename would
-silently turn a feature off (staged prefixes, the EAGLE block drop). So the release
-is checked first (:data:`SUPPORTED`, :func:`check_installed`); what is read at
-start-up goes through :func:`require`, which names what is missing (StartupError);
-what is read later is read directly (an AttributeError where vLLM moved it). No read
-of a vLLM object defaults; each ``None`` a function returns is one vLLM itself
-holds (each says when).
+A vLLM release may rename any internal read here; read fail-open, a rename would
+silently turn a feature off. So the release is checked first (:data:`SUPPORTED`,
+:func:`check_installed`); what is read at start-up goes through :func:`require`,
+which names what is missing (StartupError); what is read later is read directly
+(an AttributeError where vLLM moved it). No read of a vLLM object defaults; each
+``None`` a function returns is one vLLM itself holds (each says when).
 
-The rest of ``engine/vllm/`` calls the small functions here, named after what they
-return; ``tests/unit/test_vllm_adapter.py`` fails where any other file of
-``hybridpd/``, ``services/``, ``launch/`` or ``bench/`` imports vLLM or reaches into
-its engine. vLLM is imported inside each function, so this module imports without it
-(the main environment's unit tests). ``tests/vllm/test_patch_targets.py`` checks each
-symbol ``patches.py`` rebinds or reads through here.
+``tests/unit/test_vllm_adapter.py`` fails where another file of ``hybridpd/``,
+``services/``, ``launch/`` or ``bench/`` imports vLLM or reaches into its engine;
+vLLM is imported inside each function, so this module imports without it.
+``tests/vllm/test_patch_targets.py`` checks what ``patches.py`` and the scheduler
+subclass rebind, override or read.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hybridpd.engine.vllm.sequencer import Ledger, Sequencer, Tag
 from hybridpd.errors import StartupError
 
 #: vLLM releases (version prefixes) whose internals this engine was written and tested against
@@ -180,47 +180,18 @@ def prefill_lookahead_tokens(core: Any) -> int:
     return int(require(config, "num_prefill_lookahead_tokens", "VllmConfig"))
 
 
-def has_finished_requests(core: Any) -> bool:
-    """Whether ``core``'s scheduler still holds finished requests (a connector's KV awaiting its send)."""
-    return bool(core.scheduler.has_finished_requests())
-
-
 def has_requests(core: Any) -> bool:
     """Whether ``core``'s scheduler holds any request, finished ones included."""
     return bool(core.scheduler.has_requests())
 
 
 @dataclass(frozen=True, slots=True)
-class RequestProgress:
-    """How far vLLM's scheduler has taken one request."""
-
-    #: tokens computed or scheduled
-    computed: int
-    #: tokens of a chunk still running
-    in_flight: int
-    #: its prefix-cache hit (None once vLLM has taken its prefill stats)
-    cached: int | None
-
-
-def request_progress(core: Any, request_id: str) -> RequestProgress | None:
-    """Where ``core``'s scheduler is with the request vLLM calls ``request_id``; None
-    when it holds no such request."""
-    vreq = core.scheduler.requests.get(request_id)
-    if vreq is None:
-        return None
-    stats = vreq.prefill_stats  # None once taken (Request.take_prefill_stats)
-    cached = int(stats.num_cached_tokens) if stats is not None else None
-    return RequestProgress(int(vreq.num_computed_tokens), int(vreq.num_in_flight_tokens), cached)
-
-
-@dataclass(frozen=True, slots=True)
 class PoolCounts:
-    """vLLM's block pool, counted."""
+    """vLLM's block pool, counted: its pages (less the null block vLLM reserves), free
+    pages, and prefix-cache entries ((hash, group) keys)."""
 
-    #: its pages, less the null block vLLM reserves
     total: int
     free: int
-    #: prefix-cache entries, (hash, group) keys
     cached: int
 
 
@@ -228,6 +199,75 @@ def block_pool_counts(core: Any) -> PoolCounts:
     """``core``'s block pool's pages and prefix-cache entries (each O(1))."""
     pool = core.scheduler.kv_cache_manager.block_pool
     return PoolCounts(pool.num_gpu_blocks - 1, pool.get_num_free_blocks(), len(pool.cached_block_hash_to_block))
+
+
+SCHEDULER_METHODS = ("add_request", "finish_requests", "get_num_unfinished_requests", "schedule", "_preempt_request")
+SCHEDULER_FIELDS = ("requests", "running", "waiting", "kv_holding_waiting", "finished_req_ids")
+
+
+def scheduler_class(ledger: Ledger) -> type:
+    """vLLM's ``Scheduler`` with a ``Sequencer`` deciding before each step which of our
+    tagged requests its queues take (``sequencer.py``), one class per engine's ``ledger``;
+    it overrides or calls :data:`SCHEDULER_METHODS`, and reads :data:`SCHEDULER_FIELDS`."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Scheduler  # the engine's: async_scheduling
+    from vllm.v1.request import RequestStatus
+
+    for name in SCHEDULER_METHODS:
+        require(Scheduler, name, "Scheduler")
+
+    class HybridpdScheduler(Scheduler):
+        """vLLM's scheduler; our requests reach its queues when the sequencer lets them."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            for name in SCHEDULER_FIELDS:
+                require(self, name, "Scheduler")
+            self.sequencer = Sequencer(ledger)
+
+        def add_request(self, request: Any) -> None:
+            if self.sequencer.arrive(request, Tag.of(request.sampling_params.extra_args)):
+                super().add_request(request)
+
+        def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+            ids = None if request_ids is None else [request_ids] if isinstance(request_ids, str) else list(request_ids)
+            self.sequencer.forget(ids)
+            return super().finish_requests(ids, finished_status)
+
+        def get_num_unfinished_requests(self) -> int:
+            return int(super().get_num_unfinished_requests()) + self.sequencer.held_count()
+
+        def schedule(self, *args: Any, **kwargs: Any) -> Any:
+            self.sequencer.before_step(self, time.monotonic())
+            out = super().schedule(*args, **kwargs)
+            self.sequencer.after_schedule()
+            return out
+
+        # -- sequencer.Queues ----------------------------------------------------------------
+        def queue(self, request: Any) -> None:
+            if request.request_id in self.requests:  # taken out before: back at the head
+                self.waiting.prepend_request(request)
+            else:
+                Scheduler.add_request(self, request)
+
+        def release(self, request: Any) -> None:
+            super().finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED)
+
+        def take_out(self, request: Any) -> bool:
+            running = request.status == RequestStatus.RUNNING
+            if running:
+                self.running.remove(request)
+                self._preempt_request(request, time.monotonic())
+            if request in self.waiting:
+                self.waiting.remove_request(request)
+            return running
+
+        def queued(self) -> Any:
+            return itertools.chain(self.running, self.waiting, self.kv_holding_waiting)
+
+        def sending(self) -> bool:
+            return bool(self.finished_req_ids) or any(r.is_finished() for r in self.requests.values())
+
+    return HybridpdScheduler
 
 
 # -- what its caches hold ------------------------------------------------------------------

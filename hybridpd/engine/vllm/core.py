@@ -37,6 +37,7 @@ from hybridpd.engine.vllm.patches import (
     store_puts_to_own_segment,
 )
 from hybridpd.engine.vllm.sampling import vllm_sampling
+from hybridpd.engine.vllm.sequencer import Ledger, Tag
 from hybridpd.errors import InvalidRequestError
 from hybridpd.hashing import BlockHash, BlockHasher
 from hybridpd.model_identity import engine_identity
@@ -80,8 +81,12 @@ class VllmCore:
             side_channel=role != "local",
             mooncake=mooncake_config(*store) if store is not None and with_store else None,
         )
+        #: what this engine and its scheduler (vLLM's, subclassed: ``sequencer.py``) tell each other
+        self.ledger = Ledger()
         with build, one_gloo_device(), kept_cpu_affinity():
-            self.engine = adapter.llm_engine(kw)
+            # vLLM's own scheduling (async: one step scheduled while the last runs), subclassed
+            scheduler = {"scheduler_cls": adapter.scheduler_class(self.ledger), "async_scheduling": True}
+            self.engine = adapter.llm_engine({**kw, **scheduler})
         try:  # what vLLM made of our arguments; a refusal stops the engine it built
             if events_endpoint is not None:
                 environment.check_event_hashes()
@@ -145,15 +150,18 @@ class VllmCore:
         return max(1 if "mamba" in kinds else 0, adapter.prefill_lookahead_tokens(self.core) - 1)
 
     # -- handing requests to vLLM ------------------------------------------------------------
-    def _add_to_vllm(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, full: bool) -> str:
+    def _add_to_vllm(
+        self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, full: bool, tag: Tag | None
+    ) -> str:
         """Hand ``req`` to vLLM (``full``: with every sampling field, else plain:
-        ``sampling.py``); returns vLLM's id of it. vLLM's refusal is ours
-        (InvalidRequestError)."""
+        ``sampling.py``), ``tag``ged for our scheduler; returns vLLM's id of it.
+        vLLM's refusal is ours (InvalidRequestError)."""
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         try:
-            sampling = vllm_sampling(req.sampling, max_tokens, transfer, full=full)
+            extra = tag.extra_args() if tag is not None else None
+            sampling = vllm_sampling(req.sampling, max_tokens, transfer, full=full, tag=extra)
             return str(self.engine.add_request(req.request_id, prompt, sampling))
         except adapter.client_error() as e:
             raise InvalidRequestError(str(e)) from e
@@ -220,14 +228,6 @@ class VllmCore:
     def _core(self) -> Any:
         """vLLM's ``EngineCore`` (``adapter.in_process_core``)."""
         return self.core
-
-    def _prefix_ran(self, internal: str, length: int) -> int | None:
-        """vLLM's hit of the checkpoint prefix it runs as ``internal`` once its chunk up
-        to its last token of ``length`` ran (and none is in flight), else None."""
-        p = adapter.request_progress(self.core, internal)
-        if p is None or p.cached is None or p.computed < length - 1 or p.in_flight:
-            return None
-        return p.cached
 
     def _pool_stats(self, running: int) -> PoolStats:
         """The block pool's accounting, with ``running`` requests."""

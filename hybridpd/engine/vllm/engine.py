@@ -29,10 +29,12 @@ the model directory, so both sides tokenize identically).
 ``EngineRequest.checkpoints`` (junctions, chat boundaries, client positions)
 and ``EngineRequest.placement`` (the router's placed positions)
 become checkpoints by prefilling the prompt's prefixes first, each ending where
-vLLM's tail rule keeps a state (``stage_plan.py`` says which, ``stages.py`` runs
-them) on local and prefill engines. vLLM also finds junctions itself, in its
-local cache (``args.shared_prefix_checkpoint``; ``VllmEngine.shared_prefix_checkpoint``
-says whether its exact-junction option is in effect); docs/DESIGN.md section 4,
+vLLM's tail rule keeps a state (``stage_plan.py`` says which, ``stages.py`` keeps
+their account) on local and prefill engines. The prefixes, the prompt and
+background requests go to vLLM at once, tagged; vLLM's scheduler, subclassed
+through its ``scheduler_cls`` extension point, says when each runs (``sequencer.py``).
+vLLM also finds junctions itself, in its local cache (``args.shared_prefix_checkpoint``;
+``VllmEngine.shared_prefix_checkpoint`` says whether its exact-junction option is in effect); docs/DESIGN.md section 4,
 "Checkpoints on the vLLM engine".
 """
 
@@ -50,7 +52,6 @@ from hybridpd.config import HybridPDConfig
 from hybridpd.engine.base import (
     CacheEvent,
     EngineRequest,
-    FinishReason,
     HandoffStats,
     HandoffTicket,
     KVExport,
@@ -62,9 +63,9 @@ from hybridpd.engine.base import (
 )
 from hybridpd.engine.vllm import adapter
 from hybridpd.engine.vllm.args import Role
-from hybridpd.engine.vllm.background import BackgroundQueue
 from hybridpd.engine.vllm.core import VllmCore
-from hybridpd.engine.vllm.outputs import VllmTicket, output, translate
+from hybridpd.engine.vllm.outputs import VllmTicket, translate
+from hybridpd.engine.vllm.sequencer import SEND_HOLD_S, Tag
 from hybridpd.engine.vllm.stage_plan import StagePlan
 from hybridpd.engine.vllm.stages import TAIL_QUEUE_LIMIT, TAIL_SUFFIX, Stages
 from hybridpd.errors import InvalidRequestError
@@ -72,11 +73,6 @@ from hybridpd.hashing import BlockHash
 
 logger = logging.getLogger(__name__)
 
-#: a background try (a P/D prompt's tail stage, an answer prefill) waits while a handed-off
-#: prefill's KV awaits decode's NIXL read, at most this long after the handoff: NIXL progresses
-#: only when this engine steps (``patches.nixl_without_progress_thread``), so a background step
-#: (a whole prefill chunk) would hold decode's read, and the first token, until it ended
-SEND_HOLD_S = 1.0
 #: how often an engine with nothing to compute polls its connector: within ``SEND_HOLD_S`` of a
 #: handoff (decode's read waits on it), and later (an unread handoff waits for vLLM's timeout)
 SEND_POLL_S, IDLE_POLL_S = 0.001, 0.005
@@ -124,28 +120,27 @@ class VllmEngine(VllmCore):
         )
         self.live: dict[str, _Live] = {}
         self.handoffs: dict[str, VllmTicket] = {}
-        #: when the newest P/D prefill finished here (its KV handed to decode: ``SEND_HOLD_S``)
-        self._handed_at = -SEND_HOLD_S
         #: when the last step ended (``idle_poll_s`` counts from it)
         self._stepped_at = 0.0
         self.pending: list[RequestOutput] = []
         #: where checkpoint prefixes and tail stages go (this engine's facts, read by ``VllmCore``)
         self.plan = StagePlan(cfg, role, self.prefill_backoff, self.drop_eagle_block, self.partial_hits)
-        #: prompts waiting for their checkpoint prefixes (``stages.py``)
+        #: prompts whose checkpoint prefixes vLLM runs (``stages.py``)
         self.stages = Stages()
-        #: checkpoint prefixes in vLLM: our request id -> (vLLM's request id, prefix length)
-        self._prefixes: dict[str, tuple[str, int]] = {}
-        #: background requests (answer checkpoints), run only while no foreground one is live
-        self.background = BackgroundQueue()
+        #: background requests in vLLM (answer checkpoints, tail stages), by our id
+        self.background: set[str] = set()
+        #: what was cached for a background request when it arrived (the hit it reports)
+        self._arrival_hits: dict[str, int] = {}
 
     # -- requests ----------------------------------------------------------------------
-    def _submit(self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, *, full: bool) -> None:
+    def _submit(
+        self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, *, full: bool, tag: Tag | None
+    ) -> str:
         """Hand ``req`` to vLLM: ``full`` with every sampling field (local and decode
-        requests), else plain (a P/D prefill, a checkpoint prefix, a background try:
-        ``sampling.py``). vLLM's refusal of a request is ours (InvalidRequestError)."""
-        internal = self._add_to_vllm(req, max_tokens, transfer, full)
-        if self.stages.is_prefix(req.request_id):  # released once its checkpoint is written
-            self._prefixes[req.request_id] = (internal, len(req.prompt_token_ids))
+        requests), else plain (a P/D prefill, a checkpoint prefix, a background
+        request: ``sampling.py``); ``tag`` tells our scheduler when it runs. Returns
+        vLLM's id of it; vLLM's refusal of a request is ours (InvalidRequestError)."""
+        return self._add_to_vllm(req, max_tokens, transfer, full, tag)
 
     def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
         """Queue ``request``; ``prefill_only`` stops after the first token and keeps
@@ -158,8 +153,10 @@ class VllmEngine(VllmCore):
             if prefill_only or self.role == "decode":
                 raise InvalidRequestError("a background request runs whole on a local or prefill engine")
             self._register(request)
-            # handed to vLLM by step() once no foreground request is live; what is cached now is its hit
-            self.background.add(request, self.local_hit(request.prompt_token_ids, request.cache_salt))
+            # what is cached now is its hit (it may run after other work cached more)
+            hit = self.local_hit(request.prompt_token_ids, request.cache_salt)
+            self._submit_background(request)
+            self._arrival_hits[request.request_id] = hit
             self.live[request.request_id] = _Live(request, False, tail=self.plan.tail_checkpoint(request, False))
             return
         transfer = dict(TO_DECODE) if prefill_only else None
@@ -175,72 +172,38 @@ class VllmEngine(VllmCore):
             hit = self.cached_hit(request)
         else:
             hit = self.local_hit(request.prompt_token_ids, request.cache_salt) if tail else 0
-        first = self.stages.start(request, tuple((p, n) for p, n in stages if p > hit))
+        plan = tuple((p, n) for p, n in stages if p > hit)
+        submitted: list[tuple[str, str, int]] = []  # (vLLM id, our id, position) of each prefix
         try:
-            if first is not None:
-                self._submit(first, 1, None, full=False)
-            else:
-                self._submit(request, max_tokens, transfer, full=not prefill_only)
+            for prefix, (position, _) in zip(Stages.prefix_requests(request, plan), plan, strict=True):
+                after = submitted[-1][0] if submitted else None
+                vllm_id = self._submit(prefix, 1, None, full=False, tag=Tag(after=after, prefix=True))
+                submitted.append((vllm_id, prefix.request_id, position))
+            tag = Tag(after=submitted[-1][0]) if submitted else None
+            self._submit(request, max_tokens, transfer, full=not prefill_only, tag=tag)
         except Exception:
-            self.stages.abort(request.request_id)
+            if submitted:
+                self.engine.abort_request([ours for _, ours, _ in submitted])
             raise
+        self.stages.start(request, submitted)
         tail_at = self.plan.tail_checkpoint(request, prefill_only)  # vLLM's, whatever the hit
         self.live[request.request_id] = _Live(request, prefill_only, tail=tail_at)
-        if tail is not None and tail.position > hit and len(self.background.queued) < TAIL_QUEUE_LIMIT:
-            self.background.add(tail.request, 0)  # runs once no foreground request is live
-        preempted = self.background.preempt()
-        if preempted is not None:  # never let a background prefill hold a chunk foreground work needs
-            self.engine.abort_request([preempted])
+        if tail is not None and tail.position > hit and len(self.background) < TAIL_QUEUE_LIMIT:
+            try:  # runs once no foreground request is live; no one waits for it
+                self._submit_background(tail.request)
+            except InvalidRequestError:
+                logger.warning("vLLM refused the tail stage of %s: its tail is not kept", request.request_id)
+
+    def _submit_background(self, request: EngineRequest) -> None:
+        """Hand vLLM a background request (our scheduler runs it while nothing else runs):
+        it samples plainly, its one greedy token read by no one."""
+        self._submit(request, request.sampling.max_tokens, None, full=False, tag=Tag(background=True))
+        self.background.add(request.request_id)
 
     def _register(self, request: EngineRequest) -> None:
         """Tell the event feed the prompt's chain before vLLM can publish any of it."""
         if self.feed is not None and self.cfg.enable_prefix_caching:
             self.feed.register_prompt(request.chain(self.hasher))
-
-    def _admit_background(self) -> None:
-        foreground = any(not v.request.background for v in self.live.values()) or self._sending()
-        nxt = self.background.admit(foreground)
-        if nxt is None:
-            return
-        try:
-            self._submit(nxt, nxt.sampling.max_tokens, None, full=False)  # no one reads its token
-        except Exception:
-            running = self.background.running
-            self.background.finished()
-            self._fail(running[1].request_id if running is not None else nxt.request_id)
-
-    def _sending(self) -> bool:
-        """Whether a handed-off prefill's KV still waits for decode's read (vLLM keeps
-        its blocks until NIXL reports it sent), for at most ``SEND_HOLD_S``."""
-        if not self.background.queued or time.monotonic() - self._handed_at >= SEND_HOLD_S:
-            return False
-        return adapter.has_finished_requests(self.core)
-
-    def _fail(self, request_id: str) -> None:
-        """vLLM refused a request this engine submits on its own (a checkpoint prefix's
-        prompt, a background try): that request ends aborted, the others run on."""
-        logger.exception("vLLM refused %s: it ends aborted", request_id)
-        live = self.live.pop(request_id, None)
-        if live is not None:
-            self.pending.append(output(live.request, (), True, FinishReason.ABORT, 0))
-
-    def _resume(self, request_id: str, cached: int) -> None:
-        """A checkpoint prefix finished: submit the next one, or the prompt."""
-        nxt = self.stages.finished(request_id, cached)
-        if nxt is None:
-            return
-        main = self.stages.owner.get(nxt.request_id, nxt.request_id)
-        try:
-            if self.stages.is_prefix(nxt.request_id):
-                self._submit(nxt, 1, None, full=False)
-                return
-            live = self.live[nxt.request_id]
-            transfer = dict(TO_DECODE) if live.prefill_only else None
-            max_tokens = 1 if live.prefill_only else nxt.sampling.max_tokens
-            self._submit(nxt, max_tokens, transfer, full=not live.prefill_only)
-        except Exception:
-            self.stages.abort(main)
-            self._fail(main)
 
     def pop_handoff(self, request_id: str) -> VllmTicket | None:
         return self.handoffs.pop(request_id, None)
@@ -261,29 +224,27 @@ class VllmEngine(VllmCore):
         ticket = self.fetch_handoff(request, ticket)
         if request.request_id in self.live:
             raise InvalidRequestError("duplicate request id %s" % request.request_id)
-        self._submit(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params), full=True)
+        self._submit(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params), full=True, tag=None)
         self.live[request.request_id] = _Live(request, False, handoff=ticket)
 
     def abort(self, request_id: RequestId | str) -> bool:
         if self.live.pop(request_id, None) is None:
             return False
-        tail = self.background.drop(request_id + TAIL_SUFFIX)  # its tail stage: no one waits for it
-        if tail is not None:
-            self.engine.abort_request([tail])
-        if self.background.queued or self.background.running is not None:
-            running = self.background.drop(request_id)
-            if running is not None:
-                self.engine.abort_request([running])
-                return True
-        prefix = self.stages.abort(request_id)
-        self.engine.abort_request([prefix if prefix is not None else request_id])
+        ids = [request_id, *self.stages.abort(request_id)]
+        tail = request_id + TAIL_SUFFIX  # its tail stage: no one waits for it
+        if tail in self.background:
+            ids.append(tail)
+        for rid in ids:
+            self.background.discard(rid)
+        self._arrival_hits.pop(request_id, None)
+        self.engine.abort_request(ids)
         return True
 
     def has_work(self) -> bool:
         """Unfinished requests, or finished ones whose KV a connector still holds
         (prefill keeps blocks until decode's NIXL read is acknowledged: only
         stepping the engine core processes that acknowledgement and frees them)."""
-        if self.pending or self.background.queued or self.engine.has_unfinished_requests():
+        if self.pending or self.engine.has_unfinished_requests():
             return True
         return adapter.has_requests(self.core)
 
@@ -292,7 +253,7 @@ class VllmEngine(VllmCore):
         """0 while a request is live or an output waits; else the connector's polling interval."""
         if self.live or self.pending:
             return 0.0
-        return SEND_POLL_S if time.monotonic() - self._handed_at < SEND_HOLD_S else IDLE_POLL_S
+        return SEND_POLL_S if time.monotonic() - self.ledger.handed_at < SEND_HOLD_S else IDLE_POLL_S
 
     def step(self) -> list[RequestOutput]:
         # only connector bookkeeping left: poll it, do not spin; what passed since the last step
@@ -301,61 +262,46 @@ class VllmEngine(VllmCore):
         if rest > 0:
             time.sleep(rest)
         outputs, self.pending = self.pending, []
-        self._admit_background()
-        for out in self.engine.step():
-            if self.stages.is_prefix(out.request_id):  # a checkpoint prefix: never reported
-                if out.finished:
-                    self._resume(out.request_id, int(out.num_cached_tokens or 0))
-                continue
-            rid = self.background.owner(out.request_id) or out.request_id
-            background = rid != out.request_id
-            if background and out.finished:
-                self.background.finished()
+        stepped = self.engine.step()
+        self._prefixes_done()
+        for out in stepped:
+            rid = out.request_id
+            if out.finished:
+                self.background.discard(rid)
             live = self.live.get(rid)
-            if live is None:  # aborted meanwhile, a preempted background try, or a tail stage (ours)
-                if background and out.finished:
-                    self.background.forget(rid)
+            if live is None:  # aborted meanwhile, a checkpoint prefix or a tail stage (ours)
                 continue
             cached = self.stages.reported_hit(rid, int(out.num_cached_tokens or 0), out.finished)
-            if background:  # not what an earlier, preempted try of it left
-                cached = self.background.reported_hit(rid, cached, out.finished)
+            if live.request.background:  # at most what was cached when it arrived
+                arrived = self._arrival_hits.pop(rid, cached) if out.finished else self._arrival_hits.get(rid, cached)
+                cached = min(cached, arrived)
             if live.handoff is not None:
                 cached = live.handoff.num_cached_tokens
-            sampled = not live.prefill_only and not background
+            sampled = not live.prefill_only and not live.request.background
             got, ticket = translate(out, live.request, live.prefill_only, sampled, cached)
             if live.tail is not None:  # its first output: the prompt's prefill has run
                 got = replace(got, checkpoints=WrittenCheckpoints(live.tail, self.stages.pop_written(rid)))
                 live.tail = None
             if ticket is not None:
                 self.handoffs[rid] = ticket
-                self._handed_at = time.monotonic()
+                self.ledger.handed_at = time.monotonic()
             outputs.append(got)
             if out.finished:
                 del self.live[rid]
-        self._release_prefixes()
         self._stepped_at = time.monotonic()
         return outputs
 
-    def _release_prefixes(self) -> None:
-        """Checkpoint prefixes whose chunk up to their last token ran this step:
-        vLLM wrote (and keyed) the state at their checkpoint when it scheduled that
-        chunk, so each is aborted before its one sampled token and the next prefix,
-        or the prompt, goes on at once (one engine step per prefix instead of two;
-        the checkpoint stays cached as a finished prefix's does, the freed blocks
-        keep their keys)."""
-        if not self._prefixes:
-            return
-        for rid, (internal, length) in list(self._prefixes.items()):
-            if not self.stages.is_prefix(rid):  # finished, or its prompt was aborted
-                del self._prefixes[rid]
-                continue
-            cached = self._prefix_ran(internal, length)
-            if cached is None:
-                continue
-            del self._prefixes[rid]
-            self.engine.abort_request([rid])
-            self.stages.prefixes_released += 1
-            self._resume(rid, cached)
+    def _prefixes_done(self) -> None:
+        """The checkpoint prefixes our scheduler found done this step (``sequencer.py``):
+        their account (``Stages.done``); one it released before its sampled token is
+        still live on vLLM's output side, and is aborted there (its scheduler has let it go)."""
+        released = [
+            ours
+            for d in self.ledger.pop_done()
+            if (ours := self.stages.done(d.vllm_id, d.cached, d.released)) is not None
+        ]
+        if released:
+            self.engine.abort_request(released)
 
     def generate(self, requests: list[EngineRequest]) -> dict[str, list[int]]:
         """Run ``requests`` to completion (tests, benchmarks)."""

@@ -6,7 +6,7 @@ Which requests sample with what (``VllmCore._add_to_vllm``)::
     local request, decode (add_handoff)       full: every field below
     P/D prefill (prefill_only)                plain (max_tokens=1: its token is dropped)
     checkpoint prefix (stages.py)             plain (max_tokens=1: mostly released before it samples)
-    background try, P/D tail stage            plain (the output is never read)
+    background request, P/D tail stage        plain (the output is never read)
 
 **Decode owns all sampling.** A vLLM P/D prefill stops one prompt token short
 and its sampled token is never an output token: decode recomputes the last
@@ -48,17 +48,21 @@ from hybridpd.engine.sampling import SamplingParams, StructuredOutput, TokenLogp
 from hybridpd.engine.vllm import adapter
 
 
-def vllm_sampling(sp: SamplingParams, max_tokens: int, transfer: dict[str, Any] | None, *, full: bool) -> Any:
+def vllm_sampling(
+    sp: SamplingParams,
+    max_tokens: int,
+    transfer: dict[str, Any] | None,
+    *,
+    full: bool,
+    tag: Mapping[str, Any] | None = None,
+) -> Any:
     """vLLM's ``SamplingParams`` for a request of ours: ``full`` maps every field
     (local and decode requests), otherwise plain greedy sampling of ``max_tokens``
     tokens the engine does not report (see the module docstring). Token ids in and
     out, deltas (``RequestOutputKind.DELTA``); ``transfer``: the NixlConnector's
-    ``kv_transfer_params``."""
-    common: dict[str, Any] = {
-        "max_tokens": max_tokens,
-        "detokenize": False,
-        "extra_args": {"kv_transfer_params": transfer} if transfer is not None else None,
-    }
+    ``kv_transfer_params``; ``tag``: what our scheduler reads (``sequencer.Tag.extra_args``)."""
+    extra = {**({"kv_transfer_params": transfer} if transfer is not None else {}), **(tag or {})}
+    common: dict[str, Any] = {"max_tokens": max_tokens, "detokenize": False, "extra_args": extra or None}
     if not full:
         return adapter.sampling_params({"temperature": 0.0, "ignore_eos": True, **common})
     return adapter.sampling_params(

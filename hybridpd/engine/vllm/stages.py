@@ -8,10 +8,12 @@ boundaries; it takes no positions from a request. A checkpoint at a position
 is ``p`` (``checkpoint_stages.stage_length``: ``p + 1`` tokens, with EAGLE ``p + u +
 1``) as a request of its own, one sampled token, before the prompt; the
 prompt then hits ``p`` through vLLM's own prefix cache. Several positions run
-as a chain of prefixes, each hitting the one before. A prefix is released (aborted)
-as soon as vLLM has run it up to its last token (``VllmEngine._release_prefixes``):
-its state at ``p`` was written and keyed when vLLM scheduled that chunk, and the
-next prefix or the prompt goes on in the next step.
+as a chain of prefixes, each hitting the one before. The engine hands vLLM the
+chain and the prompt at once; vLLM's scheduler, ours by subclass, runs them in
+order (``sequencer.py``): a prefix is released (finished) as soon as vLLM has run
+it up to its last token, its state at ``p`` written and keyed with that chunk, and
+the next prefix or the prompt goes on in the next step. This module keeps the
+engine's account of them.
 
 Why prefixes and not a scheduler that ends a chunk at ``p``: a chunk split
 writes the state at ``p``, but the attention side keeps a sub-block prefix
@@ -62,79 +64,76 @@ class TailStage:
 
 @dataclass(slots=True)
 class Staging:
-    """The prefixes of one prompt still to run, and what they found cached."""
+    """The prefixes of one prompt still in vLLM, and what they found cached."""
 
     request: EngineRequest
-    #: (checkpoint position, prefix length) not yet submitted, ascending
-    pending: list[tuple[int, int]]
-    #: the prefix vLLM runs now: (its request id, its checkpoint position)
-    current: tuple[str, int] | None = None
+    #: vLLM's id of each prefix not yet done -> (our id of it, its checkpoint position)
+    prefixes: dict[str, tuple[str, int]]
     #: the prompt's hit as it arrived: the first prefix that computed past its probe
     #: tokens sets it (None: every prefix was cached, the prompt's own hit counts)
     hit: int | None = None
-    #: the checkpoint positions of the prefixes that ran to their end, ascending
+    #: the checkpoint positions of the prefixes that ran, ascending
     ran: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class Stages:
-    """Prompts waiting for their prefixes, keyed by the prompt's request id."""
+    """Prompts whose prefixes vLLM runs, keyed by the prompt's request id."""
 
     waiting: dict[str, Staging] = field(default_factory=dict)
-    #: prefix request id -> the prompt's request id
+    #: prefix vLLM id -> the prompt's request id
     owner: dict[str, str] = field(default_factory=dict)
-    #: the hit to report for a submitted prompt whose prefixes computed (request id -> tokens)
+    #: the hit to report for a prompt whose prefixes computed (request id -> tokens)
     hits: dict[str, int] = field(default_factory=dict)
-    #: the checkpoints a submitted prompt's prefixes left (request id -> positions, ascending)
+    #: the checkpoints a prompt's prefixes left (request id -> positions, ascending)
     written: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    #: prefix requests started (a counter for stats and tests)
+    #: prefix requests handed to vLLM (a counter for stats and tests)
     prefixes_run: int = 0
-    #: prefixes released before their sampled token (``VllmEngine._release_prefixes``)
+    #: prefixes the scheduler finished before their sampled token (``sequencer.PrefixDone``)
     prefixes_released: int = 0
 
-    def start(self, request: EngineRequest, plan: tuple[tuple[int, int], ...]) -> EngineRequest | None:
-        """Queue ``request`` behind ``plan`` (``checkpoint_stages.staged_checkpoints``);
-        returns the first prefix request to submit (None: no plan, submit the prompt)."""
-        if not plan:
-            return None
-        staging = Staging(request, list(plan))
-        self.waiting[request.request_id] = staging
-        return self._next(staging)
+    @staticmethod
+    def prefix_requests(request: EngineRequest, plan: tuple[tuple[int, int], ...]) -> list[EngineRequest]:
+        """The prefix requests of ``plan`` (``checkpoint_stages.staged_checkpoints``: each
+        ``(position, prefix length)``), in the order they run."""
+        return [
+            replace(
+                request,
+                request_id=RequestId("%s%s%d" % (request.request_id, STAGE_SEPARATOR, position)),
+                prompt_token_ids=request.prompt_token_ids[:length],
+                sampling=PLAIN,
+            )
+            for position, length in plan
+        ]
 
-    def _next(self, staging: Staging) -> EngineRequest | None:
-        if not staging.pending:
-            staging.current = None
-            return None
-        position, length = staging.pending.pop(0)
-        rid = "%s%s%d" % (staging.request.request_id, STAGE_SEPARATOR, position)
-        staging.current = (rid, position)
-        self.owner[rid] = staging.request.request_id
-        self.prefixes_run += 1
-        prefix = staging.request.prompt_token_ids[:length]
-        return replace(staging.request, request_id=RequestId(rid), prompt_token_ids=prefix, sampling=PLAIN)
+    def start(self, request: EngineRequest, submitted: list[tuple[str, str, int]]) -> None:
+        """``request``'s prefixes are in vLLM: each ``(vLLM id, our id, position)``, in order."""
+        if not submitted:
+            return
+        self.waiting[request.request_id] = Staging(request, {v: (ours, p) for v, ours, p in submitted})
+        for vllm_id, _, _ in submitted:
+            self.owner[vllm_id] = request.request_id
+        self.prefixes_run += len(submitted)
 
-    def is_prefix(self, request_id: str) -> bool:
-        return request_id in self.owner
-
-    def finished(self, request_id: str, cached: int) -> EngineRequest | None:
-        """A prefix request finished with ``cached`` tokens from the cache. Returns
-        the next request to submit: the next prefix, or the prompt itself (whose
-        id is not a prefix's: ``is_prefix``); None if the prompt was aborted."""
-        main = self.owner.pop(request_id)
-        staging = self.waiting.get(main)
-        if staging is None or staging.current is None or staging.current[0] != request_id:
+    def done(self, vllm_id: str, cached: int, released: bool) -> str | None:
+        """A prefix ran up to its checkpoint with ``cached`` tokens from the cache;
+        returns our id of it where the scheduler ``released`` it (vLLM's output
+        side still holds it: the engine aborts it there), else None."""
+        main = self.owner.pop(vllm_id, None)
+        staging = self.waiting.get(main) if main is not None else None
+        if staging is None:
             return None
-        if staging.hit is None and cached < staging.current[1]:
+        ours, position = staging.prefixes.pop(vllm_id)
+        if staging.hit is None and cached < position:
             staging.hit = cached  # this prefix computed the prompt's own tokens: the hit ends here
-        staging.ran.append(staging.current[1])  # vLLM keyed its state when it ran its last token
-        nxt = self._next(staging)
-        if nxt is not None:
-            return nxt
-        del self.waiting[main]
-        if staging.hit is not None:
-            self.hits[main] = staging.hit
-        self.written[main] = tuple(staging.ran)
-        return staging.request
+        staging.ran.append(position)  # vLLM keyed its state when it ran its last chunk
+        self.prefixes_released += released
+        if not staging.prefixes:
+            del self.waiting[staging.request.request_id]
+            if staging.hit is not None:
+                self.hits[staging.request.request_id] = staging.hit
+            self.written[staging.request.request_id] = tuple(staging.ran)
+        return ours if released else None
 
     def reported_hit(self, request_id: str, hit: int, finished: bool) -> int:
         """The hit to report for a prompt whose own lookup found ``hit`` (the
@@ -146,13 +145,13 @@ class Stages:
         """The checkpoint positions ``request_id``'s prefixes left (once: its first output)."""
         return self.written.pop(request_id, ())
 
-    def abort(self, request_id: str) -> str | None:
-        """Forget ``request_id``'s prefixes; returns the prefix request vLLM is
-        running for it (to abort there), if any."""
+    def abort(self, request_id: str) -> list[str]:
+        """Forget ``request_id``'s prefixes; returns our ids of those still in vLLM (to abort there)."""
         staging = self.waiting.pop(request_id, None)
         self.hits.pop(request_id, None)
         self.written.pop(request_id, None)
-        if staging is None or staging.current is None:
-            return None
-        self.owner.pop(staging.current[0], None)
-        return staging.current[0]
+        if staging is None:
+            return []
+        for vllm_id in staging.prefixes:
+            self.owner.pop(vllm_id, None)
+        return [ours for ours, _ in staging.prefixes.values()]
