@@ -100,12 +100,15 @@ class DecodeWorker(WorkerBase):
             except UnavailableError:
                 logger.debug("index refresh failed: index unavailable")
 
-    def generate(self, prefill: PrefillResult, request: EngineRequest, sink: str | None = None) -> Iterator[TokenChunk]:
+    def generate(
+        self, prefill: PrefillResult, request: EngineRequest, sink: str | None = None, stream: str | None = None
+    ) -> Iterator[TokenChunk]:
         """Continue ``request`` from its prefill; yields chunks until finished (raises what
         stopped it), or with ``sink`` (a router's ``TokenSink`` address) sends all of the
-        stream there, its end or its error included, and yields nothing (``token_channel.py``)."""
+        stream there as frames of ``stream`` (``SinkStream.key``; the request id if None),
+        its end or its error included, and yields nothing (``token_channel.py``)."""
         if sink is not None:
-            self._send(prefill, request, self.sender.stream(sink, request.request_id))
+            self._send(prefill, request, self.sender.stream(sink, stream or request.request_id, request.request_id))
             return
         self.refuse_if_draining()
         with self.engine_errors():

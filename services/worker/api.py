@@ -142,7 +142,7 @@ class DecodeClient(WorkerClient):
         if self.sink is not None:
             method = self.handle.generate.options(num_returns="streaming")
             stream = SinkStream(self.sink, req.request_id)
-            stream.attach(method.remote(pr, req, stream.address))  # type: ignore[arg-type]  # a Ray generator
+            stream.attach(method.remote(pr, req, stream.address, stream.key))  # type: ignore[arg-type]  # a Ray generator
             return stream
         method = self.handle.generate.options(num_returns="streaming", _generator_backpressure_num_objects=STREAM_AHEAD)
         return DecodeStream(method.remote(pr, req))

@@ -1,7 +1,8 @@
 """Token frames: the typed, versioned message of a decode stream, and its wire.
 
 A decode stream (``token_channel: zmq``) is a sequence of :class:`Frame`, numbered
-``seq`` 0, 1, 2, ... per request, of three kinds:
+``seq`` 0, 1, 2, ... per stream, of three kinds (``id``: the stream's key,
+``SinkStream.key``: its request id and a nonce, so a retry is another stream):
 
     tokens  some of the stream's tokens (and their logprobs)
     end     its last tokens (possibly none) and why it finished: the stream's end

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: libzmq drops the connection of a peer whose frame is over this many times the limit, unread
 HARD_CAP = 4
+#: a stream's key is its request id, this, and a nonce (``SinkStream.key``)
+STREAM_SEPARATOR = "~"
 
 
 def token_sink_host(cfg: HybridPDConfig) -> str:
@@ -98,21 +101,22 @@ class TokenSender:
         self.tagger = key.tagger(TOKEN_FRAME)
         self.max_frame_bytes = max_frame_bytes
 
-    def stream(self, address: str, request_id: str) -> FrameStream:
-        """The frames of ``request_id`` to the sink at ``address``, numbered from 0."""
-        return FrameStream(self, address, request_id)
+    def stream(self, address: str, key: str, request_id: str | None = None) -> FrameStream:
+        """The frames of stream ``key`` (``SinkStream.key``) of ``request_id`` (``key`` if
+        None) to the sink at ``address``, numbered from 0."""
+        return FrameStream(self, address, key, request_id or key)
 
-    def frames(self, request_id: str, seq: int, body: TokenChunk | StreamFailure) -> list[bytes]:
+    def frames(self, key: str, seq: int, body: TokenChunk | StreamFailure) -> list[bytes]:
         """``body`` as frames numbered from ``seq``, each within ``max_frame_bytes`` (a
         chunk that would not fit is split); UnavailableError if one token does not fit."""
-        frame = encode(self.tagger, request_id, seq, body)
+        frame = encode(self.tagger, key, seq, body)
         if len(frame) <= self.max_frame_bytes:
             return [frame]
         if isinstance(body, StreamFailure) or len(body.token_ids) < 2:
             raise UnavailableError("a token frame of %d bytes exceeds max_token_frame_bytes" % len(frame))
         first, rest = split(body)
-        head = self.frames(request_id, seq, first)
-        return head + self.frames(request_id, seq + len(head), rest)
+        head = self.frames(key, seq, first)
+        return head + self.frames(key, seq + len(head), rest)
 
     def send(self, address: str, frames: list[bytes]) -> None:
         """Queue ``frames`` for the sink at ``address``; never blocks. UnavailableError
@@ -141,15 +145,16 @@ class TokenSender:
 class FrameStream:
     """One request's frames: tagged, numbered, sent in order (one thread uses it)."""
 
-    def __init__(self, sender: TokenSender, address: str, request_id: str) -> None:
+    def __init__(self, sender: TokenSender, address: str, key: str, request_id: str) -> None:
         self.sender = sender
         self.address = address
+        self.key = key
         self.request_id = request_id
         self.seq = 0
 
     def send(self, body: TokenChunk | StreamFailure) -> None:
         """Send a chunk (the last one, ``finished``, as the end frame) or the stream's failure."""
-        frames = self.sender.frames(self.request_id, self.seq, body)
+        frames = self.sender.frames(self.key, self.seq, body)
         self.seq += len(frames)
         self.sender.send(self.address, frames)
 
@@ -232,20 +237,22 @@ class TokenSink:
         if self._on_refused is not None:
             self._on_refused(reason)
 
-    def open(self, request_id: str) -> tuple[str, asyncio.Queue[TokenChunk | BaseException]]:
-        """Start waiting for ``request_id``'s frames (from number 0): the address to send
-        them to, and their queue (a chunk or the stream's error per frame)."""
+    def open(self, key: str) -> tuple[str, asyncio.Queue[TokenChunk | BaseException]]:
+        """Start waiting for the frames of stream ``key`` (``SinkStream.key``, from number
+        0): the address to send them to, and their queue (a chunk or the stream's error
+        per frame)."""
         if self._reader is None:
             self._start()
-        assert self.address is not None
-        w = self._waiting[request_id] = _Waiting()
+        if self.address is None:
+            raise UnavailableError("the token sink did not bind")
+        w = self._waiting[key] = _Waiting()
         return self.address, w.queue
 
-    def release(self, request_id: str, queue: asyncio.Queue[TokenChunk | BaseException]) -> None:
-        """Stop waiting for ``request_id``'s frames, if ``queue`` (from :meth:`open`) still takes them."""
-        w = self._waiting.get(request_id)
+    def release(self, key: str, queue: asyncio.Queue[TokenChunk | BaseException]) -> None:
+        """Stop waiting for stream ``key``'s frames, if ``queue`` (from :meth:`open`) still takes them."""
+        w = self._waiting.get(key)
         if w is not None and w.queue is queue:
-            del self._waiting[request_id]
+            del self._waiting[key]
 
     def waiting(self) -> int:
         """How many streams the sink waits for."""
@@ -262,12 +269,16 @@ class TokenSink:
 
 class SinkStream:
     """One request's decode stream from the sink: its chunks, then its end or error
-    (frames); its Ray call (``call``, which yields nothing) is watched for a failure only."""
+    (frames); its Ray call (``call``, which yields nothing) is watched for a failure only.
+    Its frames name :attr:`key`, the request id and a nonce of this stream: a retry on
+    another decode instance is another stream, so a late frame of the first one (a
+    decode that was given up on) is dropped, never read as the retry's."""
 
     def __init__(self, sink: TokenSink, request_id: str) -> None:
         self._sink = sink
-        self._rid = request_id
-        self.address, self._queue = sink.open(request_id)
+        #: the id its frames carry (``DecodeWorker.generate``'s ``stream``)
+        self.key = "%s%s%s" % (request_id, STREAM_SEPARATOR, secrets.token_hex(4))
+        self.address, self._queue = sink.open(self.key)
         self._call: object = None
         self._watch: asyncio.Task[None] | None = None
         self._ended = False
@@ -300,7 +311,7 @@ class SinkStream:
 
     def close(self) -> None:
         """Stop waiting for frames; cancel the Ray call of a stream that has not ended."""
-        self._sink.release(self._rid, self._queue)
+        self._sink.release(self.key, self._queue)
         if self._watch is not None and not self._watch.done():
             self._watch.cancel()
             if not self._ended:

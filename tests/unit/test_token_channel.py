@@ -173,7 +173,7 @@ def test_chunks_reach_their_request_in_order_and_others_are_dropped() -> None:
             raw = zmq.Context.instance().socket(zmq.PUSH)  # a stranger's bytes on the sink's port
             raw.connect(a.address)
             raw.send(b"\x00garbage")
-            out_a, out_b, out_x = (sender.stream(a.address, rid) for rid in ("a", "b", "nobody"))
+            out_a, out_b, out_x = (sender.stream(a.address, key) for key in (a.key, b.key, "nobody"))
             for i in range(20):
                 out_a.send(TokenChunk((i,)))
                 out_x.send(TokenChunk((i,)))
@@ -219,14 +219,15 @@ def test_injected_replayed_and_oversize_frames_are_refused_counted_and_the_strea
         raw.connect(stream.address)
         good = KEY.tagger(TOKEN_FRAME)
         try:
-            out = sender.stream(stream.address, "r")
+            k = stream.key
+            out = sender.stream(stream.address, k)
             out.send(TokenChunk((1,)))
             assert await asyncio.wait_for(stream.next(), 10) == TokenChunk((1,))
             raw.send(b'["r", 1, [666], true, "stop", null]')  # no tag
-            raw.send(encode(OTHER.tagger(TOKEN_FRAME), "r", 1, TokenChunk((666,), True, "stop")))  # another key's
-            raw.send(encode(good, "r", 0, TokenChunk((1,))))  # a replay of frame 0, byte for byte
-            raw.send(encode(good, "r", 1, TokenChunk((666,) * 3000)))  # over the limit (under HARD_CAP x)
-            newer = {"v": VERSION + 1, "kind": "end", "id": "r", "seq": 1, "tokens": [666], "logprobs": None}
+            raw.send(encode(OTHER.tagger(TOKEN_FRAME), k, 1, TokenChunk((666,), True, "stop")))  # another key's
+            raw.send(encode(good, k, 0, TokenChunk((1,))))  # a replay of frame 0, byte for byte
+            raw.send(encode(good, k, 1, TokenChunk((666,) * 3000)))  # over the limit (under HARD_CAP x)
+            newer = {"v": VERSION + 1, "kind": "end", "id": k, "seq": 1, "tokens": [666], "logprobs": None}
             raw.send(_tagged(good, newer))  # tagged, but of a version this router does not read
             await _until(lambda: sum(sink.refused.values()) == 5, "five refusals")
             raw.send(b"\x00" * (HARD_CAP * limit + 1))  # libzmq drops this connection unread
@@ -268,6 +269,37 @@ def test_a_chunk_over_the_limit_is_split_into_frames_that_fit() -> None:
     assert parts[-1].finish_reason == "length"
 
 
+def test_a_retry_is_another_stream_and_a_late_frame_of_the_first_is_dropped() -> None:
+    """A handoff retried on another decode instance opens a new stream for the same
+    request: a late frame of the first attempt (numbered 0, as the retry's first is)
+    never reaches the retry's reader."""
+
+    async def main() -> tuple[list[TokenChunk], collections.Counter[str]]:
+        sink = _sink()
+        sender = _sender()
+        never = asyncio.Event()
+        first = SinkStream(sink, "r")
+        first.attach(_call(never))
+        first.close()  # given up on (its decode failed over)
+        retry = SinkStream(sink, "r")
+        retry.attach(_call(never))
+        try:
+            assert first.key != retry.key and first.key.startswith("r") and retry.address is not None
+            sender.stream(retry.address, first.key, "r").send(TokenChunk((666,), True, "stop"))  # late
+            await asyncio.sleep(0.2)  # the sink reads it meanwhile
+            out = sender.stream(retry.address, retry.key, "r")
+            out.send(TokenChunk((1,)))
+            out.send(TokenChunk((2,), True, "length"))
+            return await _read_all(retry), sink.refused
+        finally:
+            retry.close()
+            sender.close()
+            sink.close()
+
+    got, refused = asyncio.run(main())
+    assert got == [TokenChunk((1,)), TokenChunk((2,), True, "length")] and not refused
+
+
 def test_a_call_that_fails_with_an_actor_error_fails_the_stream() -> None:
     async def main() -> None:
         sink = _sink()
@@ -303,11 +335,11 @@ def test_the_frames_end_the_stream_whatever_its_call_does() -> None:
             ended.set()  # early's call ends before any frame
             with pytest.raises(TimeoutError):
                 await asyncio.wait_for(early.next(), 0.3)  # the deadline bounds a stream whose frames stop
-            out = sender.stream(early.address, "early")
+            out = sender.stream(early.address, early.key)
             out.send(TokenChunk((3,)))
             out.send(TokenChunk((9,), True, "stop"))
             assert await _read_all(early) == [TokenChunk((3,)), TokenChunk((9,), True, "stop")]
-            sender.stream(early.address, "late").send(TokenChunk((4,), True, "length"))
+            sender.stream(early.address, late.key).send(TokenChunk((4,), True, "length"))
             assert await _read_all(late) == [TokenChunk((4,), True, "length")]  # its call never ended
             assert sink.waiting() == 0  # an end frame: nothing more is due
         finally:
@@ -330,11 +362,11 @@ def test_an_error_frame_ends_the_stream_with_its_error() -> None:
         try:
             address = streams["handoff"].address
             assert address is not None
-            sender.stream(address, "handoff").fail(HandoffError("handoff r expired"))
-            out = sender.stream(address, "overloaded")
+            sender.stream(address, streams["handoff"].key).fail(HandoffError("handoff r expired"))
+            out = sender.stream(address, streams["overloaded"].key)
             out.send(TokenChunk((1, 2)))
             out.fail(OverloadedError("no KV blocks for 30 s"))
-            sender.stream(address, "engine").fail(RuntimeError("a kernel assertion"))
+            sender.stream(address, streams["engine"].key).fail(RuntimeError("a kernel assertion"))
             with pytest.raises(HandoffError):  # before any token: the router's handoff retry
                 await asyncio.wait_for(streams["handoff"].next(), 10)
             assert await asyncio.wait_for(streams["overloaded"].next(), 10) == TokenChunk((1, 2))
@@ -370,10 +402,10 @@ def test_close_releases_the_stream_and_cancels_a_call_that_has_not_ended(monkeyp
         done.attach(calls[1])
         try:
             assert open_.address is not None
-            sender.stream(open_.address, "done").send(TokenChunk((1,), True, "stop"))
+            sender.stream(open_.address, done.key).send(TokenChunk((1,), True, "stop"))
             assert await _read_all(done) == [TokenChunk((1,), True, "stop")]
             done.close()
-            out = sender.stream(open_.address, "open")
+            out = sender.stream(open_.address, open_.key)
             out.send(TokenChunk((1,)))
             assert await asyncio.wait_for(open_.next(), 10) == TokenChunk((1,))
             open_.close()
@@ -411,14 +443,14 @@ def test_the_decode_actor_sends_its_end_or_its_error_as_frames() -> None:
             r1, r2 = req("r1", prompt(40, 3), 6), req("r2", prompt(40, 4), 6)
             pr1, pr2 = p.prefill(PrefillCommand(r1)), p.prefill(PrefillCommand(r2))
             assert good.address is not None
-            assert await asyncio.to_thread(lambda: list(d.generate(pr1, r1, good.address))) == []
+            assert await asyncio.to_thread(lambda: list(d.generate(pr1, r1, good.address, good.key))) == []
             chunks = [TokenChunk(pr1.token_ids), *await _read_all(good)]
 
             def forged(request, ticket):  # type: ignore[no-untyped-def]
                 raise TagError("handoff %s: its keyed tag fails" % request.request_id)
 
             de.fetch_handoff = forged  # type: ignore[method-assign]
-            assert await asyncio.to_thread(lambda: list(d.generate(pr2, r2, good.address))) == []
+            assert await asyncio.to_thread(lambda: list(d.generate(pr2, r2, good.address, bad.key))) == []
             try:
                 await _read_all(bad)
             except TagError as exc:
