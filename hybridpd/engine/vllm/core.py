@@ -87,6 +87,11 @@ class VllmCore:
             # vLLM's own scheduling (async: one step scheduled while the last runs), subclassed
             scheduler = {"scheduler_cls": adapter.scheduler_class(self.ledger), "async_scheduling": True}
             self.engine = adapter.llm_engine({**kw, **scheduler})
+        logger.info(
+            "%s: vLLM schedules through hybridpd's AsyncScheduler subclass (checkpoint prefixes, background"
+            " work: engine/vllm/sequencer.py); vLLM's warning about a custom scheduler class refers to it",
+            instance,
+        )
         try:  # what vLLM made of our arguments; a refusal stops the engine it built
             if events_endpoint is not None:
                 environment.check_event_hashes()
