@@ -45,7 +45,6 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from hybridpd.checkpoint_value import LINEAR_ONLY
 from hybridpd.config import HybridPDConfig
@@ -133,15 +132,6 @@ class VllmEngine(VllmCore):
         self._arrival_hits: dict[str, int] = {}
 
     # -- requests ----------------------------------------------------------------------
-    def _submit(
-        self, req: EngineRequest, max_tokens: int, transfer: dict[str, Any] | None, *, full: bool, tag: Tag | None
-    ) -> str:
-        """Hand ``req`` to vLLM: ``full`` with every sampling field (local and decode
-        requests), else plain (a P/D prefill, a checkpoint prefix, a background
-        request: ``sampling.py``); ``tag`` tells our scheduler when it runs. Returns
-        vLLM's id of it; vLLM's refusal of a request is ours (InvalidRequestError)."""
-        return self._add_to_vllm(req, max_tokens, transfer, full, tag)
-
     def add_request(self, request: EngineRequest, prefill_only: bool = False) -> None:
         """Queue ``request``; ``prefill_only`` stops after the first token and keeps
         the KV for a decode engine to pull (role ``prefill``)."""
@@ -177,10 +167,10 @@ class VllmEngine(VllmCore):
         try:
             for prefix, (position, _) in zip(Stages.prefix_requests(request, plan), plan, strict=True):
                 after = submitted[-1][0] if submitted else None
-                vllm_id = self._submit(prefix, 1, None, full=False, tag=Tag(after=after, prefix=True))
+                vllm_id = self._add_to_vllm(prefix, 1, None, False, Tag(after=after, prefix=True))
                 submitted.append((vllm_id, prefix.request_id, position))
             tag = Tag(after=submitted[-1][0]) if submitted else None
-            self._submit(request, max_tokens, transfer, full=not prefill_only, tag=tag)
+            self._add_to_vllm(request, max_tokens, transfer, not prefill_only, tag)
         except Exception:
             if submitted:
                 self.engine.abort_request([ours for _, ours, _ in submitted])
@@ -197,7 +187,7 @@ class VllmEngine(VllmCore):
     def _submit_background(self, request: EngineRequest) -> None:
         """Hand vLLM a background request (our scheduler runs it while nothing else runs):
         it samples plainly, its one greedy token read by no one."""
-        self._submit(request, request.sampling.max_tokens, None, full=False, tag=Tag(background=True))
+        self._add_to_vllm(request, request.sampling.max_tokens, None, False, Tag(background=True))
         self.background.add(request.request_id)
 
     def _register(self, request: EngineRequest) -> None:
@@ -224,7 +214,7 @@ class VllmEngine(VllmCore):
         ticket = self.fetch_handoff(request, ticket)
         if request.request_id in self.live:
             raise InvalidRequestError("duplicate request id %s" % request.request_id)
-        self._submit(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params), full=True, tag=None)
+        self._add_to_vllm(request, request.sampling.max_tokens, dict(ticket.kv_transfer_params), True, None)
         self.live[request.request_id] = _Live(request, False, handoff=ticket)
 
     def abort(self, request_id: RequestId | str) -> bool:
